@@ -1,0 +1,1208 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""colibri engine core: the glm_moe_dsa forward pass, mirroring colibrì's glm.c by name.
+
+Python orchestrates (per layer, per expert); every loop over elements runs here without the GIL,
+on raw pointers into preallocated numpy buffers, calling the SIMD dot kernels of ``include/``.
+
+Shapes in comments: S = rows of a forward batch, D = hidden, H = heads, T = keys in the cache.
+HF transformers' ``glm_moe_dsa`` is the definition of the model; where glm.c deviates from it we
+follow transformers and say so (see ``NOTE(HF)`` comments).
+"""
+import os
+import time
+
+import numpy as np
+
+from libc.stdint cimport int8_t, uint8_t, int32_t
+from libc.math cimport expf, sqrtf, sqrt, cosf, sinf, isnan, isfinite
+from libc.string cimport memcpy, memset
+from libc.stdlib cimport qsort
+from cython.parallel cimport prange, parallel, threadid
+
+from .config import Config, load_config
+from . import st as _st
+from . import quant as _quant
+
+
+cdef extern from "coli_kernels.h" nogil:
+    int COLI_ISA_SCALAR, COLI_ISA_AVX2, COLI_ISA_AVX512VNNI
+    int coli_isa_best()
+    int coli_select_isa(int isa)
+    int coli_isa_active()
+    const char *coli_isa_name(int isa)
+    int32_t coli_dot_i8i8(const int8_t *w, const int8_t *x, int n)
+    int32_t coli_dot_i4i8(const uint8_t *w, const int8_t *x, int n)
+    float coli_rowdot_i8(const int8_t *w, const int8_t *xq, const float *xs, int n, int block)
+    float coli_rowdot_i4(const uint8_t *w, const int8_t *xq, const float *xs, int n, int block)
+    float coli_dot_f32(const float *a, const float *b, int n)
+    float coli_dot_q8f32(const int8_t *w, const float *x, int n)
+    float coli_dot_q4f32(const uint8_t *w, const float *x, int n)
+    void coli_quantize_q8(const float *x, int n, int block, int8_t *q, float *xs)
+
+cdef extern from "coli_threads.h" nogil:
+    int coli_max_threads()
+    void coli_set_threads(int n)
+    int coli_has_openmp()
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized tensors
+# ---------------------------------------------------------------------------------------------
+
+cdef enum:
+    FMT_F32 = 0
+    FMT_I8 = 1
+    FMT_I4 = 2
+    FMT_I2 = 3
+FORMAT_NAMES = {FMT_F32: "f32", FMT_I8: "int8", FMT_I4: "int4", FMT_I2: "int2"}
+
+cdef struct QTc:
+    int fmt            # FMT_*
+    int O              # output rows
+    int I              # inputs per row
+    Py_ssize_t rb      # bytes per packed row (quantized formats)
+    const float *f     # [O, I] f32 weights (FMT_F32)
+    const uint8_t *q   # [O, rb] packed payload
+    const float *s     # [O] per-row scales
+
+
+def fmt_from_nbytes(Py_ssize_t nbytes, int O, int I):
+    """Container format from the payload size (spec §2.3), or -1 if it matches none."""
+    if nbytes == <Py_ssize_t>O * I:
+        return FMT_I8
+    if nbytes == <Py_ssize_t>O * ((I + 1) // 2):
+        return FMT_I4
+    if nbytes == <Py_ssize_t>O * ((I + 3) // 4):
+        return FMT_I2
+    return -1
+
+
+cdef class QT:
+    """A 2-D weight [O, I]: f32, or int8/int4/int2 packed rows with one f32 scale per row."""
+    cdef QTc c
+    cdef readonly object data      # numpy array keeping the payload (or f32 weights) alive
+    cdef readonly object scale     # numpy f32 [O] or None
+
+    @staticmethod
+    def from_f32(w):
+        cdef QT t = QT()
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        cdef float[:, ::1] v = w
+        t.data = w
+        t.scale = None
+        t.c.fmt = FMT_F32
+        t.c.O = w.shape[0]
+        t.c.I = w.shape[1]
+        t.c.rb = t.c.I * 4
+        t.c.f = &v[0, 0]
+        t.c.q = NULL
+        t.c.s = NULL
+        return t
+
+    @staticmethod
+    def from_packed(payload, scale, int O, int I, str name="tensor"):
+        cdef QT t = QT()
+        payload = np.ascontiguousarray(payload, dtype=np.uint8).reshape(-1)
+        scale = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
+        fmt = fmt_from_nbytes(payload.shape[0], O, I)
+        if fmt < 0:
+            raise ValueError(f"{name}: payload of {payload.shape[0]} bytes matches no int8/int4/int2 "
+                             f"packing of a [{O}, {I}] matrix")
+        if scale.shape[0] != O:
+            raise ValueError(f"{name}.qs: {scale.shape[0]} scales for {O} rows")
+        if not np.all(np.isfinite(scale)):
+            raise ValueError(f"{name}.qs: non-finite scale")
+        cdef uint8_t[::1] pv = payload
+        cdef float[::1] sv = scale
+        t.data = payload
+        t.scale = scale
+        t.c.fmt = fmt
+        t.c.O = O
+        t.c.I = I
+        t.c.rb = payload.shape[0] // O
+        t.c.f = NULL
+        t.c.q = &pv[0]
+        t.c.s = &sv[0]
+        return t
+
+    @property
+    def fmt(self):
+        return FORMAT_NAMES[self.c.fmt]
+
+    @property
+    def shape(self):
+        return (self.c.O, self.c.I)
+
+    @property
+    def nbytes(self):
+        """Bytes held in RAM (spec qt_bytes): payload + scales."""
+        if self.c.fmt == FMT_F32:
+            return 4 * self.c.O * self.c.I
+        return self.c.O * self.c.rb + 4 * self.c.O
+
+    def dequantize(self):
+        """f32 copy of the weights [O, I] (tests, tools)."""
+        if self.c.fmt == FMT_F32:
+            return np.array(self.data, copy=True)
+        return _quant.dequantize(self.data, self.scale, self.c.O, self.c.I)
+
+
+cdef inline float qt_rowdot_f(const QTc *W, int row, const float *x) noexcept nogil:
+    """Float path (dequant-on-use): W[row, :] · x."""
+    cdef const uint8_t *p
+    cdef int i, I = W.I
+    cdef float acc = 0.0
+    if W.fmt == FMT_F32:
+        return coli_dot_f32(W.f + <Py_ssize_t>row * I, x, I)
+    p = W.q + <Py_ssize_t>row * W.rb
+    if W.fmt == FMT_I8:
+        return coli_dot_q8f32(<const int8_t *>p, x, I) * W.s[row]
+    if W.fmt == FMT_I4:
+        return coli_dot_q4f32(p, x, I) * W.s[row]
+    for i in range(I):   # int2: element 4j+k in bits 2k..2k+1, stored v+2
+        acc = acc + (<float>(((p[i >> 2] >> (2 * (i & 3))) & 3) - 2)) * x[i]
+    return acc * W.s[row]
+
+
+cdef inline void qt_addrow(const QTc *W, int row, float c, float *acc) noexcept nogil:
+    """acc[:] += c · W[row, :] (dequantized)."""
+    cdef const uint8_t *p
+    cdef int i, I = W.I
+    cdef const float *f
+    cdef float cs
+    if W.fmt == FMT_F32:
+        f = W.f + <Py_ssize_t>row * I
+        for i in range(I):
+            acc[i] += c * f[i]
+        return
+    p = W.q + <Py_ssize_t>row * W.rb
+    cs = c * W.s[row]
+    if W.fmt == FMT_I8:
+        for i in range(I):
+            acc[i] += cs * <float>(<const int8_t *>p)[i]
+    elif W.fmt == FMT_I4:
+        for i in range(I):
+            acc[i] += cs * <float>(((p[i >> 1] >> (4 * (i & 1))) & 15) - 8)
+    else:
+        for i in range(I):
+            acc[i] += cs * <float>(((p[i >> 2] >> (2 * (i & 3))) & 3) - 2)
+
+
+cdef inline int act_nblocks(int I, int block) noexcept nogil:
+    if block <= 0 or block >= I:
+        return 1
+    return (I + block - 1) // block
+
+
+cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
+                    int8_t *xq, float *xs, int block, bint idot) noexcept nogil:
+    """y[S, O] = x[S, I] · Wᵀ. Each output element is computed by one thread, and a row's result
+    does not depend on S, so batched verification computes exactly what single-row decode does."""
+    cdef int O = W.O, I = W.I
+    cdef int o, s, nb, blk
+    cdef const uint8_t *row
+    if (W.fmt == FMT_I8 or W.fmt == FMT_I4) and idot:
+        nb = act_nblocks(I, block)
+        blk = I if nb == 1 else block
+        for s in range(S):
+            coli_quantize_q8(x + <Py_ssize_t>s * I, I, blk, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb)
+        if W.fmt == FMT_I8:
+            for o in prange(O, schedule='static', nogil=True):
+                row = W.q + <Py_ssize_t>o * W.rb
+                for s in range(S):
+                    y[<Py_ssize_t>s * O + o] = coli_rowdot_i8(<const int8_t *>row, xq + <Py_ssize_t>s * I,
+                                                            xs + <Py_ssize_t>s * nb, I, blk) * W.s[o]
+        else:
+            for o in prange(O, schedule='static', nogil=True):
+                row = W.q + <Py_ssize_t>o * W.rb
+                for s in range(S):
+                    y[<Py_ssize_t>s * O + o] = coli_rowdot_i4(row, xq + <Py_ssize_t>s * I,
+                                                            xs + <Py_ssize_t>s * nb, I, blk) * W.s[o]
+        return
+    for o in prange(O, schedule='static', nogil=True):
+        for s in range(S):
+            y[<Py_ssize_t>s * O + o] = qt_rowdot_f(W, o, x + <Py_ssize_t>s * I)
+
+
+# ---------------------------------------------------------------------------------------------
+# Primitives
+# ---------------------------------------------------------------------------------------------
+
+cdef inline void rmsnorm_row(float *out, const float *x, const float *w, int n, float eps) noexcept nogil:
+    """out = x / sqrt(mean(x²) + eps) · w; the mean square is accumulated in double. Safe in place."""
+    cdef double ms = 0.0
+    cdef int i
+    for i in range(n):
+        ms += <double>x[i] * x[i]
+    cdef float r = 1.0 / sqrtf(<float>(ms / n) + eps)
+    for i in range(n):
+        out[i] = (x[i] * r) * w[i]
+
+
+cdef inline void layernorm_row(float *v, const float *w, const float *b, int n, float eps) noexcept nogil:
+    """In-place LayerNorm (population variance), mean/variance in double (indexer k_norm)."""
+    cdef double mean = 0.0, var = 0.0, d
+    cdef int i
+    for i in range(n):
+        mean += v[i]
+    mean /= n
+    for i in range(n):
+        d = v[i] - mean
+        var += d * d
+    var /= n
+    cdef float r = 1.0 / sqrtf(<float>var + eps)
+    for i in range(n):
+        v[i] = (<float>(v[i] - mean)) * r * w[i] + b[i]
+
+
+cdef inline void rope_interleave(float *v, int dr, int pos, const float *inv_freq) noexcept nogil:
+    """Interleaved RoPE: pairs (v[2j], v[2j+1]) rotate by pos·inv_freq[j]; the output is
+    de-interleaved ([rotated evens | rotated odds]), as HF's apply_rotary_pos_emb_interleave."""
+    cdef float tmp[256]
+    cdef int j, half = dr // 2
+    cdef float ang, c, s, a, b
+    for j in range(half):
+        ang = (<float>pos) * inv_freq[j]
+        c = cosf(ang)
+        s = sinf(ang)
+        a = v[2 * j]
+        b = v[2 * j + 1]
+        tmp[j] = a * c - b * s
+        tmp[half + j] = b * c + a * s
+    memcpy(v, tmp, dr * sizeof(float))
+
+
+cdef inline float silu(float x) noexcept nogil:
+    return x / (1.0 + expf(-x))
+
+
+def rmsnorm(x, w, float eps):
+    """rmsnorm over the last axis (numpy front-end to the engine's kernel, for tests)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    out = np.empty_like(x)
+    cdef int ncol = x.shape[x.ndim - 1]
+    cdef float[:, ::1] xv = x.reshape(-1, ncol)
+    cdef float[:, ::1] ov = out.reshape(-1, ncol)
+    cdef float[::1] wv = w
+    cdef int r
+    if wv.shape[0] != xv.shape[1]:
+        raise ValueError("rmsnorm: weight length differs from the row length")
+    for r in range(xv.shape[0]):
+        rmsnorm_row(&ov[r, 0], &xv[r, 0], &wv[0], xv.shape[1], eps)
+    return out
+
+
+def rope(v, int pos, float theta):
+    """Interleaved RoPE of one vector (numpy front-end, for tests)."""
+    v = np.array(v, dtype=np.float32)
+    dr = v.shape[0]
+    inv = rope_inv_freq(dr, theta)
+    cdef float[::1] vv = v
+    cdef float[::1] iv = inv
+    rope_interleave(&vv[0], dr, pos, &iv[0])
+    return v
+
+
+def rope_inv_freq(int dr, float theta):
+    """inv_freq[j] = 1 / theta^(2j/dr), computed in float32 like HF's default RoPE."""
+    exps = np.arange(0, dr, 2, dtype=np.float32) / np.float32(dr)
+    return (np.float32(1.0) / (np.float32(theta) ** exps)).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel front-ends (ISA selection, tests)
+# ---------------------------------------------------------------------------------------------
+
+ISA_NAMES = {"scalar": 0, "avx2": 1, "avx512vnni": 2}
+
+
+def isa_best():
+    return coli_isa_name(coli_isa_best()).decode()
+
+
+def isa_active():
+    return coli_isa_name(coli_isa_active()).decode()
+
+
+def select_isa(name):
+    """Force a kernel variant ("scalar", "avx2", "avx512vnni"); clamped to what the CPU has."""
+    if name not in ISA_NAMES:
+        raise ValueError(f"unknown ISA {name!r}; choose one of {sorted(ISA_NAMES)}")
+    return coli_isa_name(coli_select_isa(ISA_NAMES[name])).decode()
+
+
+def has_openmp():
+    return bool(coli_has_openmp())
+
+
+def max_threads():
+    return coli_max_threads()
+
+
+def set_threads(int n):
+    coli_set_threads(n)
+
+
+def dot_i8i8(w, x):
+    cdef int8_t[::1] wv = np.ascontiguousarray(w, dtype=np.int8)
+    cdef int8_t[::1] xv = np.ascontiguousarray(x, dtype=np.int8)
+    if wv.shape[0] != xv.shape[0] or wv.shape[0] == 0:
+        raise ValueError("dot_i8i8: lengths differ or are zero")
+    return coli_dot_i8i8(&wv[0], &xv[0], wv.shape[0])
+
+
+def dot_i4i8(w_packed, x):
+    cdef uint8_t[::1] wv = np.ascontiguousarray(w_packed, dtype=np.uint8)
+    cdef int8_t[::1] xv = np.ascontiguousarray(x, dtype=np.int8)
+    if wv.shape[0] != (xv.shape[0] + 1) // 2 or xv.shape[0] == 0:
+        raise ValueError("dot_i4i8: packed length must be ceil(n/2)")
+    return coli_dot_i4i8(&wv[0], &xv[0], xv.shape[0])
+
+
+def quantize_q8(x, int block=0):
+    """Per-block Q8 activation quantization -> (q int8 [n], scales f32 [nblocks])."""
+    cdef float[::1] xv = np.ascontiguousarray(x, dtype=np.float32)
+    cdef int n = xv.shape[0]
+    if n == 0:
+        raise ValueError("quantize_q8: empty row")
+    check_block(block, n)
+    nb = act_nblocks(n, block)
+    blk = n if nb == 1 else block
+    q = np.empty(n, np.int8)
+    s = np.empty(nb, np.float32)
+    cdef int8_t[::1] qv = q
+    cdef float[::1] sv = s
+    coli_quantize_q8(&xv[0], n, blk, &qv[0], &sv[0])
+    return q, s
+
+
+def check_block(int block, int n=0):
+    if block < 0 or (block > 0 and block % 64 != 0):
+        raise ValueError(f"activation block must be 0 (per row) or a multiple of 64, got {block}")
+
+
+def matmul(QT W, x, int block=0, bint idot=True):
+    """y[S, O] = x[S, I] · Wᵀ through the engine's dispatcher (tests, tools)."""
+    x = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
+    if x.shape[1] != W.c.I:
+        raise ValueError(f"matmul: x has {x.shape[1]} columns, W has {W.c.I} inputs")
+    check_block(block)
+    S = x.shape[0]
+    y = np.empty((S, W.c.O), np.float32)
+    xq = np.empty(S * W.c.I, np.int8)
+    xs = np.empty(S * act_nblocks(W.c.I, block), np.float32)
+    cdef float[:, ::1] xv = x
+    cdef float[:, ::1] yv = y
+    cdef int8_t[::1] qv = xq
+    cdef float[::1] sv = xs
+    matmul_qt(&W.c, &xv[0, 0], S, &yv[0, 0], &qv[0], &sv[0], block, idot)
+    return y
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine state
+# ---------------------------------------------------------------------------------------------
+
+class EngineError(RuntimeError):
+    """A runtime failure of the engine that names what is at fault (weights, routing, context)."""
+
+
+# NOTE(HF): transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps 1e-6;
+# glm.c uses rms_norm_eps (1e-5) there (spec §11.7). We follow transformers.
+LORA_NORM_EPS = 1e-6
+# The DSA indexer's k_norm is a LayerNorm with eps 1e-6 in both.
+INDEXER_NORM_EPS = 1e-6
+
+
+cdef class Layer:
+    """Resident weights of one decoder layer (index = its KV / expert-cache row)."""
+    cdef public int index
+    cdef public bint sparse, idx_full
+    cdef public object in_ln, post_ln, q_a_ln, kv_a_ln        # f32 [D], [D], [Lq], [Lkv]
+    cdef public QT q_a, q_b, kv_a, kv_b, o_proj              # attention projections
+    cdef public QT gate, up, down                            # dense MLP, or shared expert (None if none)
+    cdef public QT router                                    # f32 [E, D]
+    cdef public object router_bias                           # f32 [E]
+    cdef public QT iwq, iwk, iwp                             # DSA indexer wq_b, wk, weights_proj
+    cdef public object ik_w, ik_b                            # indexer k_norm weight, bias [index_hd]
+
+
+cdef class Expert:
+    """One routed expert's three matrices, read from disk into one slab."""
+    cdef public int eid
+    cdef public QT gate, up, down
+    cdef public object slab
+    cdef public long long used
+    cdef public long long nbytes
+
+
+cdef struct ScoreIdx:
+    float v
+    int t
+
+
+cdef int cmp_score_desc(const void *a, const void *b) noexcept nogil:
+    """Descending score, ties by ascending position (spec Appendix B.6)."""
+    cdef const ScoreIdx *x = <const ScoreIdx *>a
+    cdef const ScoreIdx *y = <const ScoreIdx *>b
+    if x.v > y.v:
+        return -1
+    if x.v < y.v:
+        return 1
+    return (x.t > y.t) - (x.t < y.t)
+
+
+cdef int cmp_int_asc(const void *a, const void *b) noexcept nogil:
+    cdef int x = (<const int *>a)[0]
+    cdef int y = (<const int *>b)[0]
+    return (x > y) - (x < y)
+
+
+cdef class Model:
+    """A loaded glm_moe_dsa model: resident dense weights, streamed experts, KV cache, stats.
+
+    Created by :func:`model_init`. Method names mirror glm.c.
+    """
+    cdef public object cfg, path, st
+    cdef public QT embed, lm_head
+    cdef public object final_norm, layers, inv_freq
+    cdef public bint has_dsa, has_mtp, idot
+    cdef public int act_block, absorb, dsa_force, cache_experts, expert_bits, dense_bits
+    # KV cache: per layer Lc [max_t, Lkv] (normalized latent), Rc [max_t, dr] (rotated shared key),
+    # Ic [max_t, index_hd] (indexer keys, full DSA layers only)
+    cdef public object Lc, Rc, Ic
+    cdef public int max_t
+    # Expert cache: per layer {eid: Expert}; LRU by Expert.used
+    cdef public object ecache
+    cdef long long eclock
+    # Counters
+    cdef public long long expert_hits, expert_misses, bytes_read, forwards
+    cdef public double t_disk, t_attn, t_moe
+    # Scratch
+    cdef object _ws
+    cdef int _ws_S, _ws_T
+    cdef object _sel, _nsel
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def _load_qt(self, name, int O, int I, int bits):
+        """A resident matrix: the container's U8 payload + .qs, or a float tensor kept f32
+        (bits >= 16) or quantized at load time with the converter's quantizers."""
+        st = self.st
+        if name + ".qs" in st:
+            info = st.info(name)
+            if info.dtype not in ("U8", "I8"):
+                raise _st.ContainerError(f"{info.path}: {name} has a .qs scale but dtype {info.dtype}, expected U8")
+            return QT.from_packed(st.read_raw(name), st.read_f32(name + ".qs"), O, I, name)
+        w = st.read_f32(name)
+        return self._qt_from_float(w, name, O, I, bits)
+
+    def _qt_from_float(self, w, name, int O, int I, int bits):
+        if tuple(w.shape) != (O, I):
+            raise _st.ContainerError(f"{self.path}: tensor {name} has shape {tuple(w.shape)}, expected ({O}, {I})")
+        if not np.all(np.isfinite(w)):
+            raise _st.ContainerError(f"{self.path}: tensor {name} contains NaN or Inf")
+        if bits >= 16:
+            return QT.from_f32(w)
+        payload, scale, _ = _quant.quantize(w, bits)
+        return QT.from_packed(payload, scale, O, I, name)
+
+    def _load_vec(self, name, int n):
+        v = self.st.read_f32(name).reshape(-1)
+        if v.shape[0] != n:
+            raise _st.ContainerError(f"{self.path}: tensor {name} has {v.shape[0]} elements, expected {n}")
+        if not np.all(np.isfinite(v)):
+            raise _st.ContainerError(f"{self.path}: tensor {name} contains NaN or Inf")
+        return np.ascontiguousarray(v, dtype=np.float32)
+
+    def _load_layer(self, int i):
+        c = self.cfg
+        p = f"model.layers.{i}."
+        L = Layer()
+        L.index = i
+        L.sparse = c.sparse[i]
+        db = self.dense_bits
+        L.in_ln = self._load_vec(p + "input_layernorm.weight", c.hidden)
+        L.post_ln = self._load_vec(p + "post_attention_layernorm.weight", c.hidden)
+        a = p + "self_attn."
+        L.q_a = self._load_qt(a + "q_a_proj.weight", c.q_lora, c.hidden, db)
+        L.q_a_ln = self._load_vec(a + "q_a_layernorm.weight", c.q_lora)
+        L.q_b = self._load_qt(a + "q_b_proj.weight", c.n_heads * c.qk_head, c.q_lora, db)
+        L.kv_a = self._load_qt(a + "kv_a_proj_with_mqa.weight", c.kv_lora + c.qk_rope, c.hidden, db)
+        L.kv_a_ln = self._load_vec(a + "kv_a_layernorm.weight", c.kv_lora)
+        L.kv_b = self._load_qt(a + "kv_b_proj.weight", c.n_heads * (c.qk_nope + c.v_head), c.kv_lora, db)
+        L.o_proj = self._load_qt(a + "o_proj.weight", c.hidden, c.n_heads * c.v_head, db)
+        L.idx_full = bool(self.has_dsa and c.idx_full[i])
+        if L.idx_full:
+            ix = a + "indexer."
+            L.iwq = self._load_qt(ix + "wq_b.weight", c.index_nh * c.index_hd, c.q_lora, db)
+            L.iwk = self._load_qt(ix + "wk.weight", c.index_hd, c.hidden, db)
+            L.iwp = self._load_qt(ix + "weights_proj.weight", c.index_nh, c.hidden, db)
+            L.ik_w = self._load_vec(ix + "k_norm.weight", c.index_hd)
+            L.ik_b = self._load_vec(ix + "k_norm.bias", c.index_hd)
+        m = p + "mlp."
+        if not L.sparse:
+            L.gate = self._load_qt(m + "gate_proj.weight", c.dense_inter, c.hidden, db)
+            L.up = self._load_qt(m + "up_proj.weight", c.dense_inter, c.hidden, db)
+            L.down = self._load_qt(m + "down_proj.weight", c.hidden, c.dense_inter, db)
+            return L
+        L.router = self._qt_from_float(self.st.read_f32(m + "gate.weight"), m + "gate.weight",
+                                       c.n_experts, c.hidden, 32)
+        if m + "gate.e_score_correction_bias" in self.st:
+            L.router_bias = self._load_vec(m + "gate.e_score_correction_bias", c.n_experts)
+        else:
+            L.router_bias = np.zeros(c.n_experts, np.float32)
+        if c.n_shared > 0:
+            si = c.moe_inter * c.n_shared
+            L.gate = self._load_qt(m + "shared_experts.gate_proj.weight", si, c.hidden, db)
+            L.up = self._load_qt(m + "shared_experts.up_proj.weight", si, c.hidden, db)
+            L.down = self._load_qt(m + "shared_experts.down_proj.weight", c.hidden, si, db)
+        self._check_expert_tensors(i)
+        return L
+
+    def _check_expert_tensors(self, int i):
+        """Fail at load time, not mid-generation, if a layer's routed experts are not all there."""
+        c = self.cfg
+        p = f"model.layers.{i}.mlp.experts."
+        for e in range(c.n_experts):
+            for m in ("gate_proj", "up_proj", "down_proj"):
+                name = f"{p}{e}.{m}.weight"
+                if name not in self.st:
+                    raise _st.ContainerError(f"{self.path}: missing tensor {name}")
+                info = self.st.info(name)
+                rows, cols = (c.hidden, c.moe_inter) if m == "down_proj" else (c.moe_inter, c.hidden)
+                if name + ".qs" in self.st:
+                    if fmt_from_nbytes(info.nbytes, rows, cols) < 0:
+                        raise _st.ContainerError(f"{info.path}: {name} has {info.nbytes} bytes, which is no "
+                                                 f"int8/int4/int2 packing of [{rows}, {cols}]")
+                elif tuple(info.shape) != (rows, cols):
+                    raise _st.ContainerError(f"{info.path}: tensor {name} has shape {tuple(info.shape)}, "
+                                             f"expected ({rows}, {cols})")
+
+    # -- experts -------------------------------------------------------------------------------
+
+    def expert_load(self, int li, int eid):
+        """Read expert eid of layer li from disk: one pread when its three payloads are contiguous."""
+        c = self.cfg
+        p = f"model.layers.{li}.mlp.experts.{eid}."
+        names = [p + m + ".weight" for m in ("gate_proj", "up_proj", "down_proj")]
+        shapes = [(c.moe_inter, c.hidden), (c.moe_inter, c.hidden), (c.hidden, c.moe_inter)]
+        st = self.st
+        t0 = time.perf_counter()
+        E = Expert()
+        E.eid = eid
+        if names[0] + ".qs" in st:
+            infos = [st.info(n) for n in names]
+            order = sorted(range(3), key=lambda k: infos[k].offset)
+            total = sum(inf.nbytes for inf in infos)
+            slab = np.empty(total, np.uint8)
+            contiguous = all(infos[order[k]].file_index == infos[order[0]].file_index and
+                             infos[order[k]].offset == infos[order[k - 1]].offset + infos[order[k - 1]].nbytes
+                             for k in range(1, 3))
+            starts = [0, 0, 0]
+            if contiguous:
+                self._pread(infos[order[0]], slab, infos[order[0]].offset)
+                for k in order:
+                    starts[k] = infos[k].offset - infos[order[0]].offset
+            else:
+                at = 0
+                for k in order:
+                    self._pread(infos[k], slab[at:at + infos[k].nbytes], infos[k].offset)
+                    starts[k] = at
+                    at += infos[k].nbytes
+            qts = []
+            for k in range(3):
+                scale = st.read_f32(names[k] + ".qs")
+                self.bytes_read += scale.nbytes
+                qts.append(QT.from_packed(slab[starts[k]:starts[k] + infos[k].nbytes], scale,
+                                          shapes[k][0], shapes[k][1], names[k]))
+            E.slab = slab
+            E.nbytes = total
+        else:
+            qts = []
+            E.nbytes = 0
+            for k in range(3):
+                w = st.read_f32(names[k])
+                self.bytes_read += st.info(names[k]).nbytes
+                W = self._qt_from_float(w, names[k], shapes[k][0], shapes[k][1], self.expert_bits)
+                qts.append(W)
+                E.nbytes += W.nbytes
+        E.gate, E.up, E.down = qts
+        self.t_disk += time.perf_counter() - t0
+        return E
+
+    def _pread(self, info, buf, long long offset):
+        fd = self.st.fileno(info.file_index)
+        n = os.preadv(fd, [memoryview(buf)], offset)
+        if n != buf.shape[0]:
+            raise _st.ContainerError(f"{info.path}: short read of {info.name} ({n} of {buf.shape[0]} bytes); "
+                                     "the file was truncated or changed while running")
+        self.bytes_read += n
+
+    def expert_get(self, int li, int eid):
+        """Expert from the layer's LRU cache, or loaded (evicting the least recently used)."""
+        cache = self.ecache[li]
+        self.eclock += 1
+        E = cache.get(eid)
+        if E is not None:
+            self.expert_hits += 1
+            E.used = self.eclock
+            return E
+        self.expert_misses += 1
+        E = self.expert_load(li, eid)
+        E.used = self.eclock
+        if len(cache) >= self.cache_experts:
+            victim = min(cache.values(), key=lambda x: (x.used, x.eid))
+            del cache[victim.eid]
+        cache[eid] = E
+        return E
+
+    # -- KV ------------------------------------------------------------------------------------
+
+    def kv_alloc(self, int max_t):
+        """(Re)allocate the KV cache for max_t positions."""
+        c = self.cfg
+        if max_t < 1:
+            raise ValueError(f"context of {max_t} positions")
+        if c.max_positions and max_t > c.max_positions + 64:
+            raise ValueError(f"context of {max_t} positions exceeds max_position_embeddings = {c.max_positions}")
+        self.max_t = max_t
+        self.Lc = [np.zeros((max_t, c.kv_lora), np.float32) for _ in range(c.n_layers)]
+        self.Rc = [np.zeros((max_t, c.qk_rope), np.float32) for _ in range(c.n_layers)]
+        self.Ic = [np.zeros((max_t, c.index_hd), np.float32) if (self.has_dsa and c.idx_full[i]) else None
+                   for i in range(c.n_layers)]
+
+    # -- scratch -------------------------------------------------------------------------------
+
+    def _work(self, int S, int T):
+        """Scratch buffers for a forward of S rows over T keys (kept while the sizes fit)."""
+        if self._ws is not None and S <= self._ws_S and T <= self._ws_T:
+            return self._ws
+        c = self.cfg
+        S = max(S, self._ws_S)
+        T = max(T, self._ws_T)
+        nt = max(coli_max_threads(), 1)
+        inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)
+        widest = max(c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter, c.n_heads * c.qk_head)
+        f = lambda *shape: np.zeros(shape, np.float32)
+        ws = dict(
+            n=f(S, c.hidden), a=f(S, c.hidden), out=f(S, c.hidden),
+            qr=f(S, c.q_lora), q=f(S, c.n_heads * c.qk_head), ckv=f(S, c.kv_lora + c.qk_rope),
+            ctx=f(S, c.n_heads * c.v_head),
+            g=f(S * inter), u=f(S * inter),     # flat: viewed as [S, width of the MLP at hand]
+            xg=f(S, c.hidden), yg=f(S, c.hidden),
+            rl=f(S, c.n_experts),
+            kvb=f(T, c.n_heads * (c.qk_nope + c.v_head)) if self.absorb != 1 else f(1, 1),
+            tbuf=f(nt, 2 * c.kv_lora + T),
+            xq=np.zeros(max(S, T) * max(widest, c.kv_lora), np.int8),
+            xs=f(max(S, T) * max(widest, c.kv_lora)),
+        )
+        if self.has_dsa:
+            ws.update(ik=f(S, c.index_hd), iq=f(S, c.index_nh * c.index_hd), iw=f(S, c.index_nh),
+                      isc=np.zeros((nt, T * 2), np.float32))
+            self._sel = np.zeros((S, max(c.index_topk, 1)), np.int32)
+            self._nsel = np.zeros(S, np.int32)
+        self._ws, self._ws_S, self._ws_T = ws, S, T
+        return ws
+
+    cdef void _mm(self, QT W, float[:, ::1] x, int S, float[:, ::1] y, dict ws):
+        """y[:S] = x[:S] · Wᵀ (GIL released inside)."""
+        cdef int8_t[::1] xq = ws["xq"]
+        cdef float[::1] xs = ws["xs"]
+        if (x.shape[1] != W.c.I or y.shape[1] != W.c.O or x.shape[0] < S or y.shape[0] < S
+                or xq.shape[0] < <Py_ssize_t>S * W.c.I or xs.shape[0] < <Py_ssize_t>S * W.c.I):
+            raise EngineError(f"matmul shapes: x {x.shape[0]}x{x.shape[1]}, y {y.shape[0]}x{y.shape[1]}, "
+                              f"W {W.c.O}x{W.c.I}, S={S}")
+        with nogil:
+            matmul_qt(&W.c, &x[0, 0], S, &y[0, 0], &xq[0], &xs[0], self.act_block, self.idot)
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def embed_row(self, int tok, out):
+        """out[D] = embedding row of tok (dequantized)."""
+        cdef float[::1] o = out
+        cdef QTc *E = &self.embed.c
+        if not 0 <= tok < E.O:
+            raise ValueError(f"token id {tok} is outside the vocabulary [0, {E.O})")
+        memset(&o[0], 0, E.I * sizeof(float))
+        qt_addrow(E, tok, 1.0, &o[0])
+
+    def attention(self, Layer L, float[:, ::1] n, int S, int pos_base, float[:, ::1] out, dict ws):
+        """MLA attention with the compressed KV cache (spec §4.3). n [S, D] -> out [S, D]."""
+        c = self.cfg
+        cdef int H = c.n_heads, dn = c.qk_nope, dr = c.qk_rope, dv = c.v_head, dq = c.qk_head
+        cdef int Lq = c.q_lora, Lkv = c.kv_lora, T = pos_base + S
+        cdef int s, h, pos
+        cdef float eps = LORA_NORM_EPS
+        cdef float[:, ::1] qr = ws["qr"], q = ws["q"], ckv = ws["ckv"], ctx = ws["ctx"]
+        cdef float[:, ::1] Lc = self.Lc[L.index], Rc = self.Rc[L.index]
+        cdef float[::1] qa_ln = L.q_a_ln, kv_ln = L.kv_a_ln, inv = self.inv_freq
+        # Step 1: projections of the new rows; write their latent + rotated key into the cache.
+        self._mm(L.q_a, n, S, qr, ws)
+        self._mm(L.kv_a, n, S, ckv, ws)
+        with nogil:
+            for s in range(S):
+                rmsnorm_row(&qr[s, 0], &qr[s, 0], &qa_ln[0], Lq, eps)
+        self._mm(L.q_b, qr, S, q, ws)
+        with nogil:
+            for s in range(S):
+                pos = pos_base + s
+                for h in range(H):
+                    rope_interleave(&q[s, h * dq + dn], dr, pos, &inv[0])
+                rmsnorm_row(&Lc[pos, 0], &ckv[s, 0], &kv_ln[0], Lkv, eps)
+                memcpy(&Rc[pos, 0], &ckv[s, Lkv], dr * sizeof(float))
+                rope_interleave(&Rc[pos, 0], dr, pos, &inv[0])
+        # Step 2: DSA lightning indexer (full layers select, shared layers reuse the last selection).
+        cdef bint sparse = False
+        if self.has_dsa:
+            if L.idx_full:
+                self._dsa_select(L, n, qr, S, pos_base, ws)
+            sparse = True
+        cdef int[:, ::1] sel = self._sel if sparse else None
+        cdef int[::1] nsel = self._nsel if sparse else None
+        # Step 3: attention, absorbed (latent space) or expanded (kv_b applied to every cached row).
+        cdef bint absorbed = self.absorb == 1 or (self.absorb == -1 and S <= 4)
+        cdef float[:, ::1] tbuf = ws["tbuf"]
+        cdef float[:, ::1] kvb
+        cdef float scale = c.attn_scale
+        if absorbed:
+            with nogil:
+                for s in prange(S * H, schedule='static'):
+                    attend_absorbed(&L.kv_b.c, &q[s // H, 0], &Lc[0, 0], &Rc[0, 0],
+                                    &sel[s // H, 0] if sparse else NULL,
+                                    nsel[s // H] if sparse else 0,
+                                    pos_base + s // H, s % H, H, dn, dr, dv, Lkv, scale,
+                                    &tbuf[threadid(), 0], &ctx[s // H, 0])
+        else:
+            kvb = ws["kvb"]
+            self._mm(L.kv_b, Lc, T, kvb, ws)
+            with nogil:
+                for s in prange(S * H, schedule='static'):
+                    attend_expanded(&q[s // H, 0], &kvb[0, 0], &Rc[0, 0],
+                                    &sel[s // H, 0] if sparse else NULL,
+                                    nsel[s // H] if sparse else 0,
+                                    pos_base + s // H, s % H, H, dn, dr, dv, scale,
+                                    &tbuf[threadid(), 0], &ctx[s // H, 0])
+        self._mm(L.o_proj, ctx, S, out, ws)
+
+    def _dsa_select(self, Layer L, float[:, ::1] n, float[:, ::1] qr, int S, int pos_base, dict ws):
+        """Lightning indexer of a full layer: write this batch's indexer keys, then per query keep
+        the index_topk keys of highest score Σ_h w_h·relu(q_h·k_t / √hd), w = weights_proj(n)/√nh.
+        A query whose causal context fits in index_topk keeps every key (nsel = 0 = dense)."""
+        c = self.cfg
+        cdef int nh = c.index_nh, hd = c.index_hd, dr = c.qk_rope, topk = c.index_topk
+        cdef int s, h, pos, nk
+        cdef float[:, ::1] ik = ws["ik"], iq = ws["iq"], iw = ws["iw"], isc = ws["isc"]
+        cdef float[:, ::1] Ic = self.Ic[L.index]
+        cdef float[::1] kw = L.ik_w, kb = L.ik_b, inv = self.inv_freq
+        cdef int[:, ::1] sel = self._sel
+        cdef int[::1] nsel = self._nsel
+        cdef bint force = self.dsa_force
+        cdef float eps = INDEXER_NORM_EPS
+        cdef float qscale = 1.0 / sqrt(hd), wscale = 1.0 / sqrt(nh)
+        self._mm(L.iwk, n, S, ik, ws)
+        with nogil:
+            for s in range(S):
+                pos = pos_base + s
+                layernorm_row(&ik[s, 0], &kw[0], &kb[0], hd, eps)
+                rope_interleave(&ik[s, 0], dr, pos, &inv[0])
+                memcpy(&Ic[pos, 0], &ik[s, 0], hd * sizeof(float))
+        need = any(pos_base + s + 1 > topk or force for s in range(S))
+        if not need:
+            self._nsel[:S] = 0
+            return
+        self._mm(L.iwq, qr, S, iq, ws)
+        self._mm(L.iwp, n, S, iw, ws)
+        with nogil:
+            for s in range(S):
+                pos = pos_base + s
+                for h in range(nh):
+                    rope_interleave(&iq[s, h * hd], dr, pos, &inv[0])
+            for s in prange(S, schedule='dynamic'):
+                nsel[s] = dsa_topk(&iq[s, 0], &iw[s, 0], &Ic[0, 0], pos_base + s + 1, nh, hd, topk,
+                                   qscale, wscale, force, &isc[threadid(), 0], &sel[s, 0])
+
+    def dense_mlp(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, dict ws):
+        """out = down · (silu(gate · n) ⊙ (up · n)). n [S, D] -> out [S, D]."""
+        cdef int s, i, I = L.gate.c.O
+        cdef float[:, ::1] g = ws["g"][:S * I].reshape(S, I), u = ws["u"][:S * I].reshape(S, I)
+        self._mm(L.gate, n, S, g, ws)
+        self._mm(L.up, n, S, u, ws)
+        with nogil:
+            for s in range(S):
+                for i in range(I):
+                    g[s, i] = silu(g[s, i]) * u[s, i]
+        self._mm(L.down, g, S, out, ws)
+
+    def moe(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, dict ws):
+        """Routed experts (sigmoid router + correction bias, top-K, batch union) + shared expert."""
+        c = self.cfg
+        cdef int E = c.n_experts, K = c.topk, D = c.hidden, s, k, r, i, e, nr
+        cdef int I = c.moe_inter
+        cdef float[:, ::1] rl = ws["rl"], xg = ws["xg"], yg = ws["yg"]
+        cdef float[:, ::1] g = ws["g"][:S * I].reshape(S, I), u = ws["u"][:S * I].reshape(S, I)
+        cdef float[::1] bias = L.router_bias
+        sel_np = np.empty((S, K), np.int32)
+        w_np = np.empty((S, K), np.float32)
+        cdef int[:, ::1] sel = sel_np
+        cdef float[:, ::1] wts = w_np
+        cdef int bad = -1
+        cdef float rs = c.routed_scale
+        cdef bint norm = c.norm_topk
+        self._mm(L.router, n, S, rl, ws)
+        with nogil:
+            for s in range(S):
+                if route_row(&rl[s, 0], &bias[0], E, K, norm, rs, &sel[s, 0], &wts[s, 0]) != 0:
+                    bad = s
+                    break
+        if bad >= 0:
+            raise EngineError(f"layer {L.index}: NaN in the router scores of row {bad} "
+                              "(non-finite activations or weights)")
+        # Batch union: each unique expert once, in first-appearance order.
+        union = list(dict.fromkeys(sel_np.reshape(-1).tolist()))
+        out[:S, :] = 0
+        cdef int[::1] rows
+        cdef float[::1] rw
+        t0 = time.perf_counter()
+        disk0 = self.t_disk
+        for e in union:
+            hit_r, hit_k = np.nonzero(sel_np == e)
+            rows = hit_r.astype(np.int32)
+            rw = w_np[hit_r, hit_k]
+            nr = rows.shape[0]
+            X = self.expert_get(L.index, e)
+            with nogil:
+                for r in range(nr):
+                    memcpy(&xg[r, 0], &n[rows[r], 0], D * sizeof(float))
+            self._mm(X.gate, xg, nr, g, ws)
+            self._mm(X.up, xg, nr, u, ws)
+            with nogil:
+                for r in range(nr):
+                    for i in range(I):
+                        g[r, i] = silu(g[r, i]) * u[r, i]
+            self._mm(X.down, g, nr, yg, ws)
+            with nogil:
+                for r in range(nr):
+                    for i in range(D):
+                        out[rows[r], i] += rw[r] * yg[r, i]
+        self.t_moe += time.perf_counter() - t0 - (self.t_disk - disk0)
+        if L.gate is not None:
+            a = ws["a"]
+            self.dense_mlp(L, n, S, a, ws)
+            np.add(np.asarray(out)[:S], a[:S], out=np.asarray(out)[:S])
+
+    def layer_forward(self, Layer L, float[:, ::1] x, int S, int pos_base):
+        """x[S, D] += attention(norm(x)); x += mlp(norm(x)) (spec §4.2)."""
+        ws = self._work(S, pos_base + S)
+        cdef float[:, ::1] n = ws["n"], a = ws["a"], f = ws["out"]
+        cdef float[::1] w1 = L.in_ln, w2 = L.post_ln
+        cdef int s, i, D = self.cfg.hidden
+        cdef float eps = self.cfg.eps
+        with nogil:
+            for s in range(S):
+                rmsnorm_row(&n[s, 0], &x[s, 0], &w1[0], D, eps)
+        t0 = time.perf_counter()
+        self.attention(L, n, S, pos_base, a, ws)
+        self.t_attn += time.perf_counter() - t0
+        with nogil:
+            for s in range(S):
+                for i in range(D):
+                    x[s, i] += a[s, i]
+                rmsnorm_row(&n[s, 0], &x[s, 0], &w2[0], D, eps)
+        if L.sparse:
+            self.moe(L, n, S, f, ws)
+        else:
+            self.dense_mlp(L, n, S, f, ws)
+        with nogil:
+            for s in range(S):
+                for i in range(D):
+                    x[s, i] += f[s, i]
+
+    def layers_forward(self, float[:, ::1] x, int S, int pos_base):
+        for L in self.layers:
+            self.layer_forward(L, x, S, pos_base)
+
+    def _forward(self, ids, int pos_base):
+        """Embed ids at positions pos_base.. and run every layer; returns the residual x [S, D]."""
+        ids = [int(t) for t in ids]
+        S = len(ids)
+        if S < 1:
+            raise ValueError("empty token batch")
+        if self.Lc is None or pos_base < 0 or pos_base + S > self.max_t:
+            raise ValueError(f"positions {pos_base}..{pos_base + S - 1} do not fit the KV cache of "
+                             f"{self.max_t} positions (call kv_alloc with a larger context)")
+        x = np.empty((S, self.cfg.hidden), np.float32)
+        for s, t in enumerate(ids):
+            self.embed_row(t, x[s])
+        self.layers_forward(x, S, pos_base)
+        self.forwards += 1
+        return x
+
+    def logits_rows(self, x):
+        """lm_head · final_norm(x) for every row of x [S, D] -> [S, V]."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        cdef int S = x.shape[0]
+        h = rmsnorm(x, self.final_norm, self.cfg.eps)
+        logits = np.empty((S, self.lm_head.c.O), np.float32)
+        xq = np.empty(S * self.cfg.hidden, np.int8)
+        xs = np.empty(S * self.cfg.hidden, np.float32)
+        cdef float[:, ::1] hv = h, lv = logits
+        cdef int8_t[::1] qv = xq
+        cdef float[::1] sv = xs
+        with nogil:
+            matmul_qt(&self.lm_head.c, &hv[0, 0], S, &lv[0, 0], &qv[0], &sv[0], self.act_block, self.idot)
+        if np.isnan(logits).any():
+            raise EngineError("NaN in the logits (non-finite activations or weights)")
+        return logits
+
+    def step(self, ids, int pos_base):
+        """Forward ids at pos_base..; logits of the last row [V] (spec §5.2)."""
+        x = self._forward(ids, pos_base)
+        return self.logits_rows(x[len(x) - 1:])[0]
+
+    def step_all(self, ids, int pos_base):
+        """Forward ids at pos_base..; logits of every row [S, V] (spec §5.3)."""
+        x = self._forward(ids, pos_base)
+        return self.logits_rows(x)
+
+    def forward_all(self, ids):
+        """Teacher forcing from position 0: (argmax per position [S], logits [S, V]) (spec §5.4)."""
+        self.kv_alloc(len(ids))
+        logits = self.step_all(ids, 0)
+        return np.argmax(logits, axis=1).astype(np.int64), logits
+
+    def generate(self, prompt, int n_new, callback=None):
+        """Greedy continuation of prompt by n_new tokens (spec §5.5, no drafts, no stop set)."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("empty prompt")
+        self.kv_alloc(len(prompt) + n_new + 2)
+        logits = self.step(prompt, 0)
+        out = []
+        kv = len(prompt)
+        while len(out) < n_new:
+            tok = int(np.argmax(logits))
+            out.append(tok)
+            if callback is not None:
+                callback(tok)
+            if len(out) >= n_new:
+                break
+            logits = self.step([tok], kv)
+            kv += 1
+        return out
+
+    def reset_stats(self):
+        self.expert_hits = self.expert_misses = self.bytes_read = self.forwards = 0
+        self.t_disk = self.t_attn = self.t_moe = 0.0
+
+    def resident_bytes(self):
+        """Bytes of resident weights (embed, lm_head, attention, dense/shared MLP, indexer)."""
+        tot = self.embed.nbytes + (0 if self.lm_head is self.embed else self.lm_head.nbytes)
+        for L in self.layers:
+            for W in (L.q_a, L.q_b, L.kv_a, L.kv_b, L.o_proj, L.gate, L.up, L.down, L.iwq, L.iwk, L.iwp):
+                if W is not None:
+                    tot += W.nbytes
+        return tot
+
+    def close(self):
+        if self.st is not None:
+            self.st.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# nogil attention / routing kernels
+# ---------------------------------------------------------------------------------------------
+
+cdef inline void softmax_inplace(float *sc, int n) noexcept nogil:
+    cdef float m = sc[0], sum = 0.0
+    cdef int j
+    for j in range(1, n):
+        if sc[j] > m:
+            m = sc[j]
+    for j in range(n):
+        sc[j] = expf(sc[j] - m)
+        sum += sc[j]
+    for j in range(n):
+        sc[j] = sc[j] / sum
+
+
+cdef void attend_expanded(const float *q, const float *kvb, const float *Rc, const int *sel, int nsel,
+                          int pos, int h, int H, int dn, int dr, int dv, float scale,
+                          float *tbuf, float *ctx) noexcept nogil:
+    """One (row, head) of expanded attention: keys/values from kvb [T, H·(dn+dv)] (kv_b applied to
+    every cached latent) plus the shared rotated key Rc [T, dr]."""
+    cdef int dq = dn + dr, W = H * (dn + dv), j, t, i, nk = nsel if nsel > 0 else pos + 1
+    cdef const float *qh = q + <Py_ssize_t>h * dq
+    cdef float *sc = tbuf
+    cdef float *o = ctx + <Py_ssize_t>h * dv
+    cdef const float *row
+    cdef float p
+    for j in range(nk):
+        t = sel[j] if nsel > 0 else j
+        row = kvb + <Py_ssize_t>t * W + h * (dn + dv)
+        sc[j] = (coli_dot_f32(qh, row, dn) + coli_dot_f32(qh + dn, Rc + <Py_ssize_t>t * dr, dr)) * scale
+    softmax_inplace(sc, nk)
+    for i in range(dv):
+        o[i] = 0.0
+    for j in range(nk):
+        t = sel[j] if nsel > 0 else j
+        row = kvb + <Py_ssize_t>t * W + h * (dn + dv) + dn
+        p = sc[j]
+        for i in range(dv):
+            o[i] += p * row[i]
+
+
+cdef void attend_absorbed(const QTc *kv_b, const float *q, const float *Lc, const float *Rc,
+                          const int *sel, int nsel, int pos, int h, int H, int dn, int dr, int dv,
+                          int Lkv, float scale, float *tbuf, float *ctx) noexcept nogil:
+    """One (row, head) of absorbed attention, entirely in the kv_lora latent space:
+    qabs = W_k,hᵀ q_nope; score_t = qabs·Lc_t + q_rope·Rc_t; ctx = W_v,h (Σ_t p_t Lc_t)."""
+    cdef int dq = dn + dr, j, t, d, i, nk = nsel if nsel > 0 else pos + 1
+    cdef const float *qh = q + <Py_ssize_t>h * dq
+    cdef float *qabs = tbuf
+    cdef float *clat = tbuf + Lkv
+    cdef float *sc = tbuf + 2 * Lkv
+    cdef int base = h * (dn + dv)
+    cdef float p
+    cdef const float *lrow
+    for i in range(Lkv):
+        qabs[i] = 0.0
+        clat[i] = 0.0
+    for d in range(dn):
+        qt_addrow(kv_b, base + d, qh[d], qabs)
+    for j in range(nk):
+        t = sel[j] if nsel > 0 else j
+        sc[j] = (coli_dot_f32(qabs, Lc + <Py_ssize_t>t * Lkv, Lkv) +
+                 coli_dot_f32(qh + dn, Rc + <Py_ssize_t>t * dr, dr)) * scale
+    softmax_inplace(sc, nk)
+    for j in range(nk):
+        t = sel[j] if nsel > 0 else j
+        p = sc[j]
+        lrow = Lc + <Py_ssize_t>t * Lkv
+        for i in range(Lkv):
+            clat[i] += p * lrow[i]
+    for i in range(dv):
+        ctx[h * dv + i] = qt_rowdot_f(kv_b, base + dn + i, clat)
+
+
+cdef int dsa_topk(const float *qi, const float *w, const float *Ic, int nk, int nh, int hd, int topk,
+                  float qscale, float wscale, bint force, float *buf, int *sel) noexcept nogil:
+    """Select the top-k keys of one query; returns the count (0 = context fits: attend densely).
+    buf holds nk ScoreIdx pairs (2 floats each). The selection is returned in ascending position."""
+    cdef int t, h, keep
+    cdef float acc, d
+    cdef ScoreIdx *pairs = <ScoreIdx *>buf
+    if nk <= topk and not force:
+        return 0
+    keep = nk if nk < topk else topk
+    for t in range(nk):
+        acc = 0.0
+        for h in range(nh):
+            d = coli_dot_f32(qi + h * hd, Ic + <Py_ssize_t>t * hd, hd) * qscale
+            if d > 0:
+                acc = acc + (w[h] * wscale) * d
+        pairs[t].v = acc
+        pairs[t].t = t
+    qsort(pairs, nk, sizeof(ScoreIdx), cmp_score_desc)
+    for t in range(keep):
+        sel[t] = pairs[t].t
+    qsort(sel, keep, sizeof(int), cmp_int_asc)
+    return keep
+
+
+cdef int route_row(const float *logit, const float *bias, int E, int K, bint norm, float rs,
+                   int *sel, float *w) noexcept nogil:
+    """Sigmoid router with correction bias (noaux_tc, n_group = 1): select K experts by biased
+    score (ties -> lowest index), weight by the unbiased sigmoid, normalize, scale.
+    Returns -1 on NaN scores."""
+    cdef int k, e, best
+    cdef float bv, sig, tot = 0.0
+    for e in range(E):
+        if isnan(logit[e]):
+            return -1
+    for k in range(K):
+        best = -1
+        bv = -1e30
+        for e in range(E):
+            if 1.0 / (1.0 + expf(-logit[e])) + bias[e] > bv and not _chosen(sel, k, e):
+                bv = 1.0 / (1.0 + expf(-logit[e])) + bias[e]
+                best = e
+        if best < 0:
+            return -1
+        sel[k] = best
+        w[k] = 1.0 / (1.0 + expf(-logit[best]))
+        tot += w[k]
+    for k in range(K):
+        if norm:
+            w[k] = w[k] / (tot + 1e-20)
+        w[k] = w[k] * rs
+    return 0
+
+
+cdef inline bint _chosen(const int *sel, int k, int e) noexcept nogil:
+    cdef int j
+    for j in range(k):
+        if sel[j] == e:
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# model_init
+# ---------------------------------------------------------------------------------------------
+
+def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=32, bint idot=True,
+               int act_block=0, int absorb=-1, bint dsa_force=False, bint dsa=True, isa=None, threads=0):
+    """Load a model directory (our container or a plain HF checkpoint).
+
+    cache_experts: routed experts kept per layer in the LRU cache (0 = all of them).
+    dense_bits / expert_bits: precision for tensors stored as floats (>= 16 keeps f32; 8 int8; 4 int4);
+        container tensors keep the format they were converted to.
+    idot: integer dot products with Q8 activations for int8/int4 weights (False = float path).
+    act_block: activation quantization block (0 = one scale per row, else a multiple of 64).
+    absorb: -1 auto (absorbed attention when a batch has <= 4 rows), 0 never, 1 always.
+    """
+    path = os.fspath(path)
+    cfg = load_config(path)
+    check_block(act_block)
+    if absorb not in (-1, 0, 1):
+        raise ValueError(f"absorb must be -1, 0 or 1, got {absorb}")
+    if cache_experts < 0:
+        raise ValueError(f"cache_experts must be >= 0, got {cache_experts}")
+    if isa is None:
+        isa = os.environ.get("COLIBRI_ISA")
+    if isa:
+        select_isa(isa)
+    if threads:
+        coli_set_threads(threads)
+    cdef Model m = Model()
+    m.cfg = cfg
+    m.path = path
+    m.st = _st.SafeTensorsDir(path)
+    m.idot = idot
+    m.act_block = act_block
+    m.absorb = absorb
+    m.dsa_force = dsa_force
+    m.dense_bits = dense_bits
+    m.expert_bits = expert_bits
+    m.cache_experts = cache_experts if cache_experts > 0 else cfg.n_experts
+    m.inv_freq = rope_inv_freq(cfg.qk_rope, cfg.rope_theta)
+    io_bits = 32 if dense_bits >= 8 else dense_bits
+    m.embed = m._load_qt("model.embed_tokens.weight", cfg.vocab, cfg.hidden, io_bits)
+    if "lm_head.weight" in m.st:
+        m.lm_head = m._load_qt("lm_head.weight", cfg.vocab, cfg.hidden, io_bits)
+    elif cfg.tie_embeddings:
+        m.lm_head = m.embed
+    else:
+        raise _st.ContainerError(f"{path}: missing tensor lm_head.weight")
+    m.final_norm = m._load_vec("model.norm.weight", cfg.hidden)
+    m.has_dsa = bool(dsa and cfg.index_topk > 0 and cfg.index_nh > 0 and cfg.index_hd > 0 and all(
+        f"model.layers.{i}.self_attn.indexer.wq_b.weight" in m.st
+        for i in range(cfg.n_layers) if cfg.idx_full[i]))
+    m.layers = [m._load_layer(i) for i in range(cfg.n_layers)]
+    m.has_mtp = f"model.layers.{cfg.n_layers}.eh_proj.weight" in m.st
+    m.ecache = [dict() for _ in range(cfg.n_layers + 1)]
+    m.reset_stats()
+    return m

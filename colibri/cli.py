@@ -1,0 +1,99 @@
+"""Command line: ``python -m colibri {run,convert,parity} ...``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError
+
+
+def _engine_options(p: argparse.ArgumentParser):
+    g = p.add_argument_group("engine")
+    g.add_argument("--cache-experts", type=int, default=0, metavar="N",
+                   help="routed experts cached per layer (LRU); 0 = all (default)")
+    g.add_argument("--dense-bits", type=int, default=32, choices=(4, 8, 32),
+                   help="precision of resident weights stored as floats in the model files "
+                        "(container files keep their own format; default 32 = f32)")
+    g.add_argument("--expert-bits", type=int, default=32, choices=(4, 8, 32),
+                   help="precision of routed experts stored as floats (default 32 = f32)")
+    g.add_argument("--no-idot", action="store_true",
+                   help="float dequant-on-use matmuls instead of integer dots with Q8 activations")
+    g.add_argument("--act-block", type=int, default=0, metavar="N",
+                   help="activation quantization block for integer dots: 0 = one scale per row "
+                        "(default), or a multiple of 64")
+    g.add_argument("--absorb", choices=("auto", "always", "never"), default="auto",
+                   help="absorbed MLA attention: auto = for batches of <= 4 rows (default)")
+    g.add_argument("--dsa-force", action="store_true",
+                   help="run the DSA top-k selection even when the context fits in index_topk")
+    g.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: all cores)")
+
+
+def engine_kwargs(args) -> dict:
+    return dict(cache_experts=args.cache_experts, dense_bits=args.dense_bits, expert_bits=args.expert_bits,
+                idot=not args.no_idot, act_block=args.act_block,
+                absorb={"auto": -1, "never": 0, "always": 1}[args.absorb],
+                dsa_force=args.dsa_force, threads=args.threads)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    ap = argparse.ArgumentParser(prog="python -m colibri",
+                                 description="colibri: glm_moe_dsa MoE inference with experts streamed from disk.")
+    ap.add_argument("--version", action="version", version=f"colibri {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    r = sub.add_parser("run", help="generate a continuation of a prompt",
+                       description="Generate from a prompt (text, or token ids with --prompt-ids).")
+    r.add_argument("prompt", nargs="?", default=None, help="prompt text (needs tokenizer.json in the model)")
+    r.add_argument("--model", "-m", required=False, default=None, help="model directory")
+    r.add_argument("--prompt-ids", default=None, metavar="IDS", help="prompt as comma-separated token ids")
+    r.add_argument("--max-tokens", "-n", type=int, default=64, help="tokens to generate (default 64)")
+    r.add_argument("--temperature", "-t", type=float, default=0.7,
+                   help="sampling temperature; 0 = greedy (default 0.7)")
+    r.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    r.add_argument("--seed", type=int, default=None, help="RNG seed for sampling")
+    r.add_argument("--stats-json", default=None, metavar="FILE", help="write run statistics as JSON")
+    r.add_argument("--quiet", "-q", action="store_true", help="print only the generated text")
+    _engine_options(r)
+
+    c = sub.add_parser("convert", help="convert HF safetensors into the quantized container",
+                       description="Convert an HF glm_moe_dsa checkpoint (bf16/f16/f32/FP8) into colibri's "
+                                   "quantized container (byte-compatible with colibrì's).")
+    from . import convert
+    convert.add_arguments(c)
+
+    p = sub.add_parser("parity", help="compare the engine against reference outputs",
+                       description="Teacher-forcing and greedy agreement against a reference JSON "
+                                   "(prompt_ids, full_ids, tf_pred, optional logits).")
+    p.add_argument("model", help="model directory")
+    p.add_argument("ref", help="reference JSON file")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--max-logit-diff", type=float, default=None,
+                   help="also fail when the largest |Δlogit| exceeds this")
+    _engine_options(p)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.command is None:
+        ap.print_help()
+        return 2
+    try:
+        if args.command == "run":
+            from .runner import run
+            return run(args)
+        if args.command == "convert":
+            from . import convert
+            return convert.run(args) or 0
+        if args.command == "parity":
+            from .parity import run
+            return run(args)
+    except (ConfigError, ValueError, OSError, RuntimeError) as e:
+        print(f"colibri: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ncolibri: interrupted", file=sys.stderr)
+        return 130
+    return 2

@@ -1,0 +1,155 @@
+/* colibri compute kernels: umbrella header with runtime ISA dispatch.
+ *
+ * Header-only. Each kernel exists as <name>_scalar (the readable definition), and on x86-64 also
+ * as <name>_avx2 (AVX2 + FMA) and <name>_avx512 (AVX-512 F/BW/VL + VNNI). The translation unit is
+ * compiled for baseline x86-64; the SIMD variants get their ISA from function target attributes,
+ * and the entry points below call through a small function-pointer table.
+ *
+ * Dispatch:
+ *   - The table is statically initialized to the scalar kernels, so every entry point is valid at
+ *     any time, even before constructors run.
+ *   - A load-time constructor (GCC/Clang) switches it to coli_isa_best(), so the default active ISA
+ *     is the best one the CPU supports. The Python side may then override it (COLIBRI_ISA) with
+ *     coli_select_isa().
+ *   - coli_select_isa() rewrites the table; call it at setup time, not while other threads run
+ *     kernels. Each entry point costs one indirect call and nothing else.
+ *   - The table is static: each translation unit that includes this header has its own copy.
+ *
+ * Results: the integer dots are exact and identical on every ISA; coli_rowdot_* and
+ * coli_quantize_q8 are bit-identical on every ISA; the float dots agree up to rounding only.
+ */
+#ifndef COLI_KERNELS_H
+#define COLI_KERNELS_H
+
+#include "coli_dot_i8.h"
+#include "coli_dot_i4.h"
+#include "coli_dot_f32.h"
+#include "coli_quant.h"
+
+enum { COLI_ISA_SCALAR = 0, COLI_ISA_AVX2 = 1, COLI_ISA_AVX512VNNI = 2 };
+
+typedef struct coli_kernel_table {
+    int isa;
+    int32_t (*dot_i8i8)(const int8_t *w, const int8_t *x, int n);
+    int32_t (*dot_i4i8)(const uint8_t *w_packed, const int8_t *x, int n);
+    float (*rowdot_i8)(const int8_t *w, const int8_t *xq, const float *xs, int n, int block);
+    float (*rowdot_i4)(const uint8_t *w_packed, const int8_t *xq, const float *xs, int n, int block);
+    float (*dot_f32)(const float *a, const float *b, int n);
+    float (*dot_q8f32)(const int8_t *w, const float *x, int n);
+    float (*dot_q4f32)(const uint8_t *w_packed, const float *x, int n);
+    void (*quantize_q8)(const float *x, int n, int block, int8_t *q, float *xs);
+} coli_kernel_table;
+
+#define COLI_KERNEL_TABLE(isa, sfx)                                                       \
+    { isa, coli_dot_i8i8_##sfx, coli_dot_i4i8_##sfx, coli_rowdot_i8_##sfx,               \
+      coli_rowdot_i4_##sfx, coli_dot_f32_##sfx, coli_dot_q8f32_##sfx, coli_dot_q4f32_##sfx, \
+      coli_quantize_q8_##sfx }
+
+static const coli_kernel_table coli_kernels_by_isa[] = {
+    COLI_KERNEL_TABLE(COLI_ISA_SCALAR, scalar),
+#if COLI_X86
+    COLI_KERNEL_TABLE(COLI_ISA_AVX2, avx2),
+    COLI_KERNEL_TABLE(COLI_ISA_AVX512VNNI, avx512),
+#endif
+};
+
+/* the active table (starts as scalar, see above) */
+static coli_kernel_table coli_kt = COLI_KERNEL_TABLE(COLI_ISA_SCALAR, scalar);
+
+/* ------------------------------------ ISA selection ------------------------------------ */
+
+static inline int coli_isa_best(void)
+{
+#if COLI_X86
+    __builtin_cpu_init(); /* required when called from a constructor */
+    /* __builtin_cpu_supports also checks that the OS saves the AVX / AVX-512 register state */
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+            return COLI_ISA_AVX512VNNI;
+        return COLI_ISA_AVX2;
+    }
+#endif
+    return COLI_ISA_SCALAR;
+}
+
+/* Activates `isa`, clamped to [COLI_ISA_SCALAR, coli_isa_best()]; returns the ISA now active. */
+static inline int coli_select_isa(int isa)
+{
+    int best = coli_isa_best();
+    if (isa > best)
+        isa = best;
+    if (isa < COLI_ISA_SCALAR)
+        isa = COLI_ISA_SCALAR;
+    coli_kt = coli_kernels_by_isa[isa];
+    return coli_kt.isa;
+}
+
+static inline int coli_isa_active(void) { return coli_kt.isa; }
+
+static inline const char *coli_isa_name(int isa)
+{
+    switch (isa) {
+    case COLI_ISA_SCALAR: return "scalar";
+    case COLI_ISA_AVX2: return "avx2";
+    case COLI_ISA_AVX512VNNI: return "avx512vnni";
+    default: return "unknown";
+    }
+}
+
+#if defined(__GNUC__)
+__attribute__((constructor)) static void coli_kernels_autoselect(void)
+{
+    coli_select_isa(coli_isa_best());
+}
+#endif
+
+/* ------------------------------------- entry points ------------------------------------- */
+
+/* sum_i w[i]*x[i] over one block, exact in int32 (n <= 65536 guaranteed exact) */
+static inline int32_t coli_dot_i8i8(const int8_t *w, const int8_t *x, int n)
+{
+    return coli_kt.dot_i8i8(w, x, n);
+}
+
+/* same for packed int4 weights; w_packed starts at element 0 (an even element) */
+static inline int32_t coli_dot_i4i8(const uint8_t *w_packed, const int8_t *x, int n)
+{
+    return coli_kt.dot_i4i8(w_packed, x, n);
+}
+
+/* sum_b xs[b] * (float)dot_b over the row's activation blocks, summed in order in float.
+ * block: a positive multiple of 64, or >= n (or <= 0) for a single block. */
+static inline float coli_rowdot_i8(const int8_t *w, const int8_t *xq, const float *xs, int n, int block)
+{
+    return coli_kt.rowdot_i8(w, xq, xs, n, block);
+}
+
+/* same for packed int4 weights (block must be even so blocks start on a byte) */
+static inline float coli_rowdot_i4(const uint8_t *w_packed, const int8_t *xq, const float *xs, int n, int block)
+{
+    return coli_kt.rowdot_i4(w_packed, xq, xs, n, block);
+}
+
+static inline float coli_dot_f32(const float *a, const float *b, int n)
+{
+    return coli_kt.dot_f32(a, b, n);
+}
+
+static inline float coli_dot_q8f32(const int8_t *w, const float *x, int n)
+{
+    return coli_kt.dot_q8f32(w, x, n);
+}
+
+static inline float coli_dot_q4f32(const uint8_t *w_packed, const float *x, int n)
+{
+    return coli_kt.dot_q4f32(w_packed, x, n);
+}
+
+/* per-block int8 quantization; q gets n values, xs gets one scale per block */
+static inline void coli_quantize_q8(const float *x, int n, int block, int8_t *q, float *xs)
+{
+    coli_kt.quantize_q8(x, n, block, q, xs);
+}
+
+#endif /* COLI_KERNELS_H */

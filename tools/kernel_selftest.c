@@ -1,0 +1,413 @@
+/* Self-test and micro-benchmark of the colibri kernels (include/coli_*.h).
+ *
+ *   gcc -O2 -I include tools/kernel_selftest.c -o /tmp/kst -lm && /tmp/kst [--no-bench]
+ *
+ * For every ISA this CPU supports (selected through the public coli_select_isa, then called
+ * through the public dispatching entry points) and every size n in 1..300 plus larger ones:
+ *   - integer dots must equal an independent int64 reference exactly;
+ *   - row dots and the quantizer must be bit-identical to the scalar variant (and the row dots
+ *     close to a double reference);
+ *   - float dots must be within REL_TOL * sum|a_i*b_i| of a double reference.
+ * Every input buffer ends right before a PROT_NONE page, so a read past the end crashes.
+ * Exit status 0 on success.
+ */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS, clock_gettime under -std=c99 */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "coli_kernels.h"
+
+#define REL_TOL 1e-5
+
+static long g_checks, g_fail;
+
+#define CHECK(cond, ...)                                                   \
+    do {                                                                   \
+        g_checks++;                                                        \
+        if (!(cond)) {                                                     \
+            if (++g_fail <= 30) {                                          \
+                printf("FAIL %s:%d: ", __FILE__, __LINE__);                \
+                printf(__VA_ARGS__);                                       \
+                printf("\n");                                              \
+            }                                                              \
+        }                                                                  \
+    } while (0)
+
+/* ---------------------------------------- utilities ---------------------------------------- */
+
+static uint64_t g_rng = 0x9E3779B97F4A7C15ULL;
+
+static uint32_t rnd(void) /* xorshift64* */
+{
+    g_rng ^= g_rng >> 12;
+    g_rng ^= g_rng << 25;
+    g_rng ^= g_rng >> 27;
+    return (uint32_t)((g_rng * 0x2545F4914F6CDD1DULL) >> 32);
+}
+
+static float rndf(void) { return (float)((double)rnd() / 4294967296.0 * 2.0 - 1.0); } /* [-1, 1) */
+
+/* Buffer of `bytes` bytes whose end touches an inaccessible page. */
+static void *galloc(size_t bytes)
+{
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    size_t body = (bytes + pg - 1) / pg * pg;
+    char *base = mmap(NULL, body + pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED || mprotect(base + body, pg, PROT_NONE) != 0) {
+        perror("mmap");
+        exit(2);
+    }
+    return base + body - bytes;
+}
+
+static void gfree(void *p, size_t bytes)
+{
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    size_t body = (bytes + pg - 1) / pg * pg;
+    munmap((char *)p + bytes - body, body + pg);
+}
+
+static int nib(const uint8_t *wp, int i) { return (i & 1) ? (wp[i / 2] >> 4) : (wp[i / 2] & 15); }
+
+static int64_t ref_i8(const int8_t *w, const int8_t *x, int n)
+{
+    int64_t s = 0;
+    for (int i = 0; i < n; i++)
+        s += (int64_t)w[i] * x[i];
+    return s;
+}
+
+static int64_t ref_i4(const uint8_t *wp, const int8_t *x, int n)
+{
+    int64_t s = 0;
+    for (int i = 0; i < n; i++)
+        s += (int64_t)(nib(wp, i) - 8) * x[i];
+    return s;
+}
+
+/* double reference of sum_i a(i)*b[i] and its condition scale sum_i |a(i)*b[i]| */
+typedef struct { double val, mag; } fref;
+
+static fref ref_f32(const float *a, const float *b, int n)
+{
+    fref r = {0, 0};
+    for (int i = 0; i < n; i++) {
+        r.val += (double)a[i] * b[i];
+        r.mag += fabs((double)a[i] * b[i]);
+    }
+    return r;
+}
+
+static fref ref_q8f32(const int8_t *w, const float *x, int n)
+{
+    fref r = {0, 0};
+    for (int i = 0; i < n; i++) {
+        r.val += (double)w[i] * x[i];
+        r.mag += fabs((double)w[i] * x[i]);
+    }
+    return r;
+}
+
+static fref ref_q4f32(const uint8_t *wp, const float *x, int n)
+{
+    fref r = {0, 0};
+    for (int i = 0; i < n; i++) {
+        double v = (double)(nib(wp, i) - 8) * x[i];
+        r.val += v;
+        r.mag += fabs(v);
+    }
+    return r;
+}
+
+static int close_to(double got, fref r, double tol)
+{
+    return fabs(got - r.val) <= tol * r.mag + 1e-30;
+}
+
+static int same_bits(float a, float b) { return memcmp(&a, &b, sizeof a) == 0; }
+
+/* The quantizer's definition, written out independently. */
+static void ref_quant(const float *x, int n, int block, int8_t *q, float *xs)
+{
+    if (block <= 0 || block > n)
+        block = n;
+    for (int i0 = 0, b = 0; i0 < n; i0 += block, b++) {
+        int end = i0 + block < n ? i0 + block : n;
+        float amax = 0.0f;
+        for (int i = i0; i < end; i++)
+            amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+        float s = amax / 127.0f;
+        s = s < 1e-12f ? 1e-12f : s;
+        float inv = 1.0f / s;
+        for (int i = i0; i < end; i++)
+            q[i] = (int8_t)lrintf(x[i] * inv);
+        xs[b] = s;
+    }
+}
+
+/* ------------------------------------------ tests ------------------------------------------ */
+
+enum { FILL_RANDOM, FILL_EXTREME_POS, FILL_EXTREME_NEG, FILL_TIES, FILL_ZERO };
+
+typedef struct {
+    int n, nb4;         /* elements, packed int4 bytes */
+    int8_t *w8, *x8;
+    uint8_t *w4;
+    float *xf, *af, *xs;
+    int8_t *q;
+    float *qs;
+} bufs;
+
+static bufs balloc(int n)
+{
+    bufs b;
+    b.n = n;
+    b.nb4 = (n + 1) / 2;
+    b.w8 = galloc(n);
+    b.x8 = galloc(n);
+    b.w4 = galloc(b.nb4);
+    b.xf = galloc(sizeof(float) * n);
+    b.af = galloc(sizeof(float) * n);
+    b.xs = galloc(sizeof(float) * n);  /* enough scales for any block >= 1 */
+    b.q = galloc(n);
+    b.qs = galloc(sizeof(float) * n);
+    return b;
+}
+
+static void bfree(bufs *b)
+{
+    int n = b->n;
+    gfree(b->w8, n); gfree(b->x8, n); gfree(b->w4, b->nb4);
+    gfree(b->xf, sizeof(float) * n); gfree(b->af, sizeof(float) * n); gfree(b->xs, sizeof(float) * n);
+    gfree(b->q, n); gfree(b->qs, sizeof(float) * n);
+}
+
+static void fill(bufs *b, int mode)
+{
+    int n = b->n;
+    for (int i = 0; i < n; i++) {
+        switch (mode) {
+        case FILL_EXTREME_POS: /* largest positive products: (-128)(-127), v=-8 (u=0) vs -127 */
+            b->w8[i] = -128; b->x8[i] = -127; break;
+        case FILL_EXTREME_NEG:
+            b->w8[i] = -128; b->x8[i] = 127; break;
+        default:
+            b->w8[i] = (int8_t)(rnd() & 0xFF);      /* full range, -128 included */
+            b->x8[i] = (int8_t)((int)(rnd() % 255) - 127);
+        }
+        b->xf[i] = rndf() * 3.0f;
+        b->af[i] = rndf();
+        b->xs[i] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
+    }
+    for (int j = 0; j < b->nb4; j++)
+        b->w4[j] = mode == FILL_EXTREME_POS || mode == FILL_EXTREME_NEG ? 0x00 : (uint8_t)(rnd() & 0xFF);
+    /* odd n: the padding nibble holds garbage on purpose, it must not matter */
+    if (n & 1)
+        b->w4[n / 2] = (uint8_t)((b->w4[n / 2] & 0x0F) | ((rnd() & 15) << 4));
+    if (mode == FILL_TIES) /* amax 127 per 64-block -> inv = 1: exercises round-half-to-even */
+        for (int i = 0; i < n; i++)
+            b->xf[i] = (i % 64 == 0) ? 127.0f : (float)((int)(rnd() % 200) - 100) + 0.5f;
+    if (mode == FILL_ZERO)
+        for (int i = 0; i < n; i++)
+            b->xf[i] = 0.0f;
+}
+
+static double g_maxrel[3][3]; /* [isa][f32, q8f32, q4f32]: worst |err| / sum|ab| seen */
+
+static void note_rel(int isa, int k, double got, fref r)
+{
+    double rel = r.mag > 0 ? fabs(got - r.val) / r.mag : 0;
+    if (rel > g_maxrel[isa][k])
+        g_maxrel[isa][k] = rel;
+}
+
+/* Checks the active ISA on one buffer set. */
+static void check_all(int isa, bufs *b)
+{
+    int n = b->n;
+    const int blocks[] = {64, 128, 192, 256, 4096, n, n + 1000, 0};
+
+    int64_t r8 = ref_i8(b->w8, b->x8, n), r4 = ref_i4(b->w4, b->x8, n);
+    if (n <= 65536) /* the documented exactness limit for int8 */
+        CHECK(coli_dot_i8i8(b->w8, b->x8, n) == r8, "dot_i8i8 isa=%d n=%d got %d want %lld", isa, n,
+              coli_dot_i8i8(b->w8, b->x8, n), (long long)r8);
+    CHECK(coli_dot_i4i8(b->w4, b->x8, n) == r4, "dot_i4i8 isa=%d n=%d got %d want %lld", isa, n,
+          coli_dot_i4i8(b->w4, b->x8, n), (long long)r4);
+
+    for (size_t k = 0; k < sizeof blocks / sizeof blocks[0]; k++) {
+        int blk = blocks[k];
+        if (n > 65536 && (blk <= 0 || blk >= n))
+            continue; /* whole-row int8 blocks beyond the exactness limit */
+        float g8 = coli_rowdot_i8(b->w8, b->x8, b->xs, n, blk);
+        float s8 = coli_rowdot_i8_scalar(b->w8, b->x8, b->xs, n, blk);
+        float g4 = coli_rowdot_i4(b->w4, b->x8, b->xs, n, blk);
+        float s4 = coli_rowdot_i4_scalar(b->w4, b->x8, b->xs, n, blk);
+        CHECK(same_bits(g8, s8), "rowdot_i8 isa=%d n=%d block=%d got %.9g scalar %.9g", isa, n, blk, g8, s8);
+        CHECK(same_bits(g4, s4), "rowdot_i4 isa=%d n=%d block=%d got %.9g scalar %.9g", isa, n, blk, g4, s4);
+
+        /* and the scalar definition against a double evaluation of the same formula */
+        int bl = coli_block_len(n, blk);
+        fref f8 = {0, 0}, f4 = {0, 0};
+        for (int i = 0, bi = 0; i < n; i += bl, bi++) {
+            int len = n - i < bl ? n - i : bl;
+            double d8 = (double)b->xs[bi] * (double)ref_i8(b->w8 + i, b->x8 + i, len);
+            double d4 = (double)b->xs[bi] * (double)ref_i4(b->w4 + i / 2, b->x8 + i, len);
+            f8.val += d8; f8.mag += fabs(d8);
+            f4.val += d4; f4.mag += fabs(d4);
+        }
+        CHECK(close_to(s8, f8, 1e-5), "rowdot_i8 scalar n=%d block=%d got %.9g want %.9g", n, blk, s8, f8.val);
+        CHECK(close_to(s4, f4, 1e-5), "rowdot_i4 scalar n=%d block=%d got %.9g want %.9g", n, blk, s4, f4.val);
+    }
+
+    fref rf = ref_f32(b->af, b->xf, n), rq8 = ref_q8f32(b->w8, b->xf, n), rq4 = ref_q4f32(b->w4, b->xf, n);
+    float gf = coli_dot_f32(b->af, b->xf, n), gq8 = coli_dot_q8f32(b->w8, b->xf, n);
+    float gq4 = coli_dot_q4f32(b->w4, b->xf, n);
+    CHECK(close_to(gf, rf, REL_TOL), "dot_f32 isa=%d n=%d got %.9g want %.9g", isa, n, gf, rf.val);
+    CHECK(close_to(gq8, rq8, REL_TOL), "dot_q8f32 isa=%d n=%d got %.9g want %.9g", isa, n, gq8, rq8.val);
+    CHECK(close_to(gq4, rq4, REL_TOL), "dot_q4f32 isa=%d n=%d got %.9g want %.9g", isa, n, gq4, rq4.val);
+    note_rel(isa, 0, gf, rf);
+    note_rel(isa, 1, gq8, rq8);
+    note_rel(isa, 2, gq4, rq4);
+
+    const int qblocks[] = {64, 128, 192, n, 0};
+    for (size_t k = 0; k < sizeof qblocks / sizeof qblocks[0]; k++) {
+        int blk = qblocks[k], nbk = (n + coli_block_len(n, blk) - 1) / coli_block_len(n, blk);
+        int8_t *qr = malloc((size_t)n);
+        float *sr = malloc(sizeof(float) * (size_t)nbk);
+        ref_quant(b->xf, n, blk, qr, sr);
+        if (nbk < n)
+            b->qs[nbk] = -1.0f; /* sentinel: no scale written past the last block */
+        coli_quantize_q8(b->xf, n, blk, b->q, b->qs);
+        CHECK(nbk == n || b->qs[nbk] == -1.0f, "quantize_q8 wrote past xs[%d] isa=%d n=%d", nbk - 1, isa, n);
+        CHECK(memcmp(qr, b->q, (size_t)n) == 0, "quantize_q8 q isa=%d n=%d block=%d", isa, n, blk);
+        CHECK(memcmp(sr, b->qs, sizeof(float) * (size_t)nbk) == 0, "quantize_q8 xs isa=%d n=%d block=%d",
+              isa, n, blk);
+        free(qr);
+        free(sr);
+    }
+}
+
+static void run_size(int isa, int n, int modes)
+{
+    bufs b = balloc(n);
+    for (int mode = 0; mode < modes; mode++) {
+        fill(&b, mode);
+        check_all(isa, &b);
+    }
+    bfree(&b);
+}
+
+/* n = 2^20 int4 row: the whole-row int32 accumulation at its documented limit */
+static void run_i4_limit(int isa)
+{
+    int n = 1 << 20;
+    bufs b = balloc(n);
+    for (int mode = FILL_EXTREME_POS; mode <= FILL_EXTREME_NEG; mode++) {
+        fill(&b, mode);
+        int64_t r = ref_i4(b.w4, b.x8, n);
+        CHECK(coli_dot_i4i8(b.w4, b.x8, n) == r, "dot_i4i8 limit isa=%d got %d want %lld", isa,
+              coli_dot_i4i8(b.w4, b.x8, n), (long long)r);
+        memset(b.w4, 0xFF, (size_t)b.nb4); /* v = +7 */
+        r = ref_i4(b.w4, b.x8, n);
+        CHECK(coli_dot_i4i8(b.w4, b.x8, n) == r, "dot_i4i8 limit(+7) isa=%d got %d want %lld", isa,
+              coli_dot_i4i8(b.w4, b.x8, n), (long long)r);
+    }
+    fill(&b, FILL_RANDOM);
+    check_all(isa, &b);
+    bfree(&b);
+}
+
+/* ---------------------------------------- benchmark ---------------------------------------- */
+
+static double now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e9 + ts.tv_nsec;
+}
+
+static volatile float g_sink;
+
+/* best of 5 runs of `reps` calls, ns per call */
+#define BENCH(result, reps, call)                                                   \
+    do {                                                                            \
+        double best_ = 1e300;                                                       \
+        for (int r_ = 0; r_ < 5; r_++) {                                            \
+            double t0_ = now_ns();                                                  \
+            float acc_ = 0;                                                         \
+            for (int i_ = 0; i_ < (reps); i_++)                                     \
+                acc_ += (float)(call);                                              \
+            double t_ = (now_ns() - t0_) / (reps);                                  \
+            g_sink = acc_;                                                          \
+            if (t_ < best_)                                                         \
+                best_ = t_;                                                         \
+        }                                                                           \
+        result = best_;                                                             \
+    } while (0)
+
+static void bench(int best)
+{
+    const int n = 1024, reps = 20000;
+    bufs b = balloc(n);
+    fill(&b, FILL_RANDOM);
+    printf("\ntiming, n = %d, ns per call (best of 5 x %d calls, data in L1):\n", n, reps);
+    printf("%-11s %9s %9s %9s %9s %9s %9s %9s %9s\n", "isa", "i8 b=64", "i8 b=n", "i4 b=64", "i4 b=n",
+           "f32", "q8f32", "q4f32", "quant64");
+    for (int isa = 0; isa <= best; isa++) {
+        double t[8];
+        coli_select_isa(isa);
+        BENCH(t[0], reps, coli_rowdot_i8(b.w8, b.x8, b.xs, n, 64));
+        BENCH(t[1], reps, coli_rowdot_i8(b.w8, b.x8, b.xs, n, n));
+        BENCH(t[2], reps, coli_rowdot_i4(b.w4, b.x8, b.xs, n, 64));
+        BENCH(t[3], reps, coli_rowdot_i4(b.w4, b.x8, b.xs, n, n));
+        BENCH(t[4], reps, coli_dot_f32(b.af, b.xf, n));
+        BENCH(t[5], reps, coli_dot_q8f32(b.w8, b.xf, n));
+        BENCH(t[6], reps, coli_dot_q4f32(b.w4, b.xf, n));
+        BENCH(t[7], reps, (coli_quantize_q8(b.xf, n, 64, b.q, b.qs), b.q[0]));
+        printf("%-11s", coli_isa_name(isa));
+        for (int k = 0; k < 8; k++)
+            printf(" %9.1f", t[k]);
+        printf("\n");
+    }
+    bfree(&b);
+}
+
+/* ------------------------------------------ main ------------------------------------------ */
+
+int main(int argc, char **argv)
+{
+    int do_bench = !(argc > 1 && strcmp(argv[1], "--no-bench") == 0);
+    int best = coli_isa_best();
+    printf("best ISA: %s, active at startup: %s\n", coli_isa_name(best), coli_isa_name(coli_isa_active()));
+    CHECK(coli_isa_active() == best, "constructor did not select the best ISA");
+    CHECK(coli_select_isa(99) == best, "select clamps high");
+    CHECK(coli_select_isa(-5) == COLI_ISA_SCALAR, "select clamps low");
+
+    const int big[] = {383, 384, 385, 511, 512, 513, 1000, 1023, 1024, 1025, 4095, 4096, 4097,
+                       16383, 16384, 16385, 65536};
+    for (int isa = 0; isa <= best; isa++) {
+        long before = g_fail, checks0 = g_checks;
+        CHECK(coli_select_isa(isa) == isa && coli_isa_active() == isa, "select %d", isa);
+        for (int n = 1; n <= 300; n++)
+            run_size(isa, n, 5);
+        for (size_t k = 0; k < sizeof big / sizeof big[0]; k++)
+            run_size(isa, big[k], big[k] == 65536 ? 3 : 5);
+        run_i4_limit(isa);
+        printf("%-11s %s  (%ld checks; n = 1..300 + %d larger sizes up to 65536, int4 also 2^20)\n",
+               coli_isa_name(isa), g_fail == before ? "ok  " : "FAIL", g_checks - checks0,
+               (int)(sizeof big / sizeof big[0]));
+        printf("            float dots, worst |err|/sum|ab|: f32 %.2e  q8f32 %.2e  q4f32 %.2e\n",
+               g_maxrel[isa][0], g_maxrel[isa][1], g_maxrel[isa][2]);
+    }
+
+    if (do_bench)
+        bench(best);
+    coli_select_isa(best);
+    printf("\n%s: %ld checks, %ld failures\n", g_fail ? "FAILED" : "PASSED", g_checks, g_fail);
+    return g_fail ? 1 : 0;
+}
