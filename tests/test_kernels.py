@@ -1,0 +1,143 @@
+"""SIMD kernels against numpy, for every variant this CPU supports (forced in turn)."""
+import numpy as np
+import pytest
+
+from colibri import _core, quant
+
+VARIANTS = ["scalar", "avx2", "avx512vnni"]
+SIZES = list(range(1, 70)) + [127, 128, 129, 255, 256, 257, 511, 1000, 1023, 1024, 1025, 4097]
+
+
+def _supported():
+    best = _core.ISA_NAMES[_core.isa_best()]
+    return [v for v in VARIANTS if _core.ISA_NAMES[v] <= best]
+
+
+@pytest.fixture(params=_supported())
+def isa(request):
+    before = _core.isa_active()
+    assert _core.select_isa(request.param) == request.param
+    yield request.param
+    _core.select_isa(before)
+
+
+def test_variant_selection_clamps_to_cpu():
+    best = _core.isa_best()
+    assert _core.select_isa("avx512vnni") in VARIANTS
+    _core.select_isa(best)
+    assert _core.isa_active() == best
+    with pytest.raises(ValueError):
+        _core.select_isa("neon9000")
+
+
+def test_integer_dots_exact(isa):
+    rng = np.random.default_rng(1)
+    for n in SIZES:
+        w = rng.integers(-128, 128, n).astype(np.int8)
+        x = rng.integers(-127, 128, n).astype(np.int8)
+        assert _core.dot_i8i8(w, x) == int(np.dot(w.astype(np.int64), x.astype(np.int64))), n
+        v4 = rng.integers(-8, 8, n)
+        packed = quant.pack_int4(v4.reshape(1, n)).reshape(-1)
+        assert _core.dot_i4i8(packed, x) == int(np.dot(v4, x.astype(np.int64))), n
+
+
+def test_integer_dots_worst_case(isa):
+    n = 16384
+    w = np.full(n, -128, np.int8)
+    x = np.full(n, -127, np.int8)
+    assert _core.dot_i8i8(w, x) == 128 * 127 * n
+    packed = quant.pack_int4(np.full((1, n), -8)).reshape(-1)
+    assert _core.dot_i4i8(packed, x) == 8 * 127 * n
+
+
+def _np_quant_q8(x, block):
+    n = x.shape[0]
+    blk = n if block == 0 or block >= n else block
+    q = np.empty(n, np.int8)
+    s = []
+    for b0 in range(0, n, blk):
+        seg = x[b0:b0 + blk]
+        sc = np.float32(max(np.float32(np.max(np.abs(seg))) / np.float32(127), np.float32(1e-12)))
+        inv = np.float32(1) / sc
+        q[b0:b0 + blk] = np.rint(seg * inv).astype(np.int8)
+        s.append(sc)
+    return q, np.array(s, np.float32)
+
+
+@pytest.mark.parametrize("block", [0, 64, 128])
+def test_quantize_q8_matches_numpy(isa, block):
+    rng = np.random.default_rng(2)
+    for n in SIZES:
+        x = (rng.standard_normal(n) * rng.uniform(0.01, 10)).astype(np.float32)
+        q, s = _core.quantize_q8(x, block)
+        q_ref, s_ref = _np_quant_q8(x, block)
+        np.testing.assert_array_equal(s, s_ref)
+        np.testing.assert_array_equal(q, q_ref)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("block", [0, 64])
+def test_matmul_integer_path_matches_numpy(isa, bits, block):
+    """Integer path: (Σ_b xs_b · Σ w_q x_q) · w_scale, against the same math in float64."""
+    rng = np.random.default_rng(3)
+    for I in [1, 7, 31, 64, 65, 130, 257, 1000]:
+        O, S = 37, 3
+        W = rng.standard_normal((O, I)).astype(np.float32)
+        x = rng.standard_normal((S, I)).astype(np.float32)
+        payload, scale, fmt = quant.quantize(W, bits)
+        qt = _core.QT.from_packed(payload, scale, O, I)
+        Wd = qt.dequantize().astype(np.float64)
+        y = _core.matmul(qt, x, block=block)
+        if bits == 2:   # int2 always takes the float path
+            ref = x.astype(np.float64) @ Wd.T
+        else:
+            ref = np.empty((S, O))
+            v = quant.unpack(payload, fmt, O, I).astype(np.float64)
+            for s in range(S):
+                q, xs = _np_quant_q8(x[s], block)
+                blk = I if block == 0 or block >= I else block
+                acc = np.zeros(O)
+                for b, b0 in enumerate(range(0, I, blk)):
+                    acc += xs[b] * (v[:, b0:b0 + blk] @ q[b0:b0 + blk].astype(np.float64))
+                ref[s] = acc * scale
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("bits", [32, 8, 4, 2])
+def test_matmul_float_path_matches_numpy(isa, bits):
+    rng = np.random.default_rng(4)
+    for I in [1, 5, 16, 33, 64, 100, 513]:
+        O, S = 19, 2
+        W = rng.standard_normal((O, I)).astype(np.float32)
+        x = rng.standard_normal((S, I)).astype(np.float32)
+        if bits == 32:
+            qt = _core.QT.from_f32(W)
+        else:
+            payload, scale, _ = quant.quantize(W, bits)
+            qt = _core.QT.from_packed(payload, scale, O, I)
+        ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T
+        y = _core.matmul(qt, x, idot=False)
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.sqrt(I) * np.abs(ref).max())
+
+
+def test_matmul_rows_independent_of_batch(isa):
+    """A row's result does not depend on the other rows of the batch (draft == verify numerics)."""
+    rng = np.random.default_rng(5)
+    W = rng.standard_normal((50, 300)).astype(np.float32)
+    x = rng.standard_normal((6, 300)).astype(np.float32)
+    for bits in (8, 4):
+        payload, scale, _ = quant.quantize(W, bits)
+        qt = _core.QT.from_packed(payload, scale, 50, 300)
+        full = _core.matmul(qt, x)
+        for s in range(6):
+            np.testing.assert_array_equal(_core.matmul(qt, x[s:s + 1])[0], full[s])
+
+
+def test_matmul_rejects_bad_shapes():
+    qt = _core.QT.from_f32(np.ones((4, 8), np.float32))
+    with pytest.raises(ValueError):
+        _core.matmul(qt, np.ones((2, 7), np.float32))
+    with pytest.raises(ValueError):
+        _core.QT.from_packed(np.zeros(10, np.uint8), np.ones(4, np.float32), 4, 8)
+    with pytest.raises(ValueError):
+        _core.matmul(qt, np.ones((1, 8), np.float32), block=30)
