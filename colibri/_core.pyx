@@ -194,30 +194,50 @@ cdef inline int act_nblocks(int I, int block) noexcept nogil:
     return (I + block - 1) // block
 
 
+cdef enum:
+    IDOT_FLOAT = 0      # dequant-on-use float dots (exact up to f32 summation order)
+    IDOT_Q8 = 1         # integer dots, activations quantized to int8 (colibrì's IDOT)
+    IDOT_Q8X2 = 2       # integer dots on int8 activations + their int8-quantized residual
+
+
 cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
-                    int8_t *xq, float *xs, int block, bint idot) noexcept nogil:
+                    int8_t *xq, float *xs, float *xr, int block, int idot) noexcept nogil:
     """y[S, O] = x[S, I] · Wᵀ. Each output element is computed by one thread, and a row's result
-    does not depend on S, so batched verification computes exactly what single-row decode does."""
+    does not depend on S, so batched verification computes exactly what single-row decode does.
+
+    Integer paths (int8/int4 weights): x ≈ Σ_b xs_b · q_b per activation block; with IDOT_Q8X2 the
+    residual x − xs·q is quantized again, so x ≈ xs·q + xs'·q' (error ~1/(127·254) of the block's
+    max instead of 1/254) at the cost of a second integer dot.
+    Scratch: xq int8 [2·S·I], xs f32 [2·S·nblocks], xr f32 [I]."""
     cdef int O = W.O, I = W.I
-    cdef int o, s, nb, blk
+    cdef int o, s, nb, blk, i
+    cdef Py_ssize_t off2
     cdef const uint8_t *row
-    if (W.fmt == FMT_I8 or W.fmt == FMT_I4) and idot:
+    cdef float acc
+    if (W.fmt == FMT_I8 or W.fmt == FMT_I4) and idot != IDOT_FLOAT:
         nb = act_nblocks(I, block)
         blk = I if nb == 1 else block
+        off2 = <Py_ssize_t>S * I
         for s in range(S):
             coli_quantize_q8(x + <Py_ssize_t>s * I, I, blk, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb)
-        if W.fmt == FMT_I8:
-            for o in prange(O, schedule='static', nogil=True):
-                row = W.q + <Py_ssize_t>o * W.rb
-                for s in range(S):
-                    y[<Py_ssize_t>s * O + o] = coli_rowdot_i8(<const int8_t *>row, xq + <Py_ssize_t>s * I,
-                                                            xs + <Py_ssize_t>s * nb, I, blk) * W.s[o]
-        else:
-            for o in prange(O, schedule='static', nogil=True):
-                row = W.q + <Py_ssize_t>o * W.rb
-                for s in range(S):
-                    y[<Py_ssize_t>s * O + o] = coli_rowdot_i4(row, xq + <Py_ssize_t>s * I,
-                                                            xs + <Py_ssize_t>s * nb, I, blk) * W.s[o]
+            if idot == IDOT_Q8X2:
+                for i in range(I):
+                    xr[i] = x[<Py_ssize_t>s * I + i] - xs[<Py_ssize_t>s * nb + i // blk] * xq[<Py_ssize_t>s * I + i]
+                coli_quantize_q8(xr, I, blk, xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb)
+        for o in prange(O, schedule='static', nogil=True):
+            row = W.q + <Py_ssize_t>o * W.rb
+            for s in range(S):
+                if W.fmt == FMT_I8:
+                    acc = coli_rowdot_i8(<const int8_t *>row, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb, I, blk)
+                    if idot == IDOT_Q8X2:
+                        acc = acc + coli_rowdot_i8(<const int8_t *>row, xq + off2 + <Py_ssize_t>s * I,
+                                                   xs + <Py_ssize_t>(S + s) * nb, I, blk)
+                else:
+                    acc = coli_rowdot_i4(row, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb, I, blk)
+                    if idot == IDOT_Q8X2:
+                        acc = acc + coli_rowdot_i4(row, xq + off2 + <Py_ssize_t>s * I,
+                                                   xs + <Py_ssize_t>(S + s) * nb, I, blk)
+                y[<Py_ssize_t>s * O + o] = acc * W.s[o]
         return
     for o in prange(O, schedule='static', nogil=True):
         for s in range(S):
@@ -377,12 +397,17 @@ def quantize_q8(x, int block=0):
     return q, s
 
 
+def check_idot(int idot):
+    if idot not in (IDOT_FLOAT, IDOT_Q8, IDOT_Q8X2):
+        raise ValueError(f"idot must be 0 (float), 1 (Q8 activations) or 2 (Q8 + residual), got {idot}")
+
+
 def check_block(int block, int n=0):
     if block < 0 or (block > 0 and block % 64 != 0):
         raise ValueError(f"activation block must be 0 (per row) or a multiple of 64, got {block}")
 
 
-def matmul(QT W, x, int block=0, bint idot=True):
+def matmul(QT W, x, int block=0, int idot=IDOT_Q8X2):
     """y[S, O] = x[S, I] · Wᵀ through the engine's dispatcher (tests, tools)."""
     x = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
     if x.shape[1] != W.c.I:
@@ -390,13 +415,15 @@ def matmul(QT W, x, int block=0, bint idot=True):
     check_block(block)
     S = x.shape[0]
     y = np.empty((S, W.c.O), np.float32)
-    xq = np.empty(S * W.c.I, np.int8)
-    xs = np.empty(S * act_nblocks(W.c.I, block), np.float32)
+    check_idot(idot)
+    xq = np.empty(2 * S * W.c.I, np.int8)
+    xs = np.empty(2 * S * act_nblocks(W.c.I, block), np.float32)
+    xr = np.empty(W.c.I, np.float32)
     cdef float[:, ::1] xv = x
     cdef float[:, ::1] yv = y
     cdef int8_t[::1] qv = xq
-    cdef float[::1] sv = xs
-    matmul_qt(&W.c, &xv[0, 0], S, &yv[0, 0], &qv[0], &sv[0], block, idot)
+    cdef float[::1] sv = xs, rv = xr
+    matmul_qt(&W.c, &xv[0, 0], S, &yv[0, 0], &qv[0], &sv[0], &rv[0], block, idot)
     return y
 
 
@@ -468,8 +495,8 @@ cdef class Model:
     cdef public object cfg, path, st
     cdef public QT embed, lm_head
     cdef public object final_norm, layers, inv_freq
-    cdef public bint has_dsa, has_mtp, idot
-    cdef public int act_block, absorb, dsa_force, cache_experts, expert_bits, dense_bits
+    cdef public bint has_dsa, has_mtp
+    cdef public int idot, act_block, absorb, dsa_force, cache_experts, expert_bits, dense_bits
     # KV cache: per layer Lc [max_t, Lkv] (normalized latent), Rc [max_t, dr] (rotated shared key),
     # Ic [max_t, index_hd] (indexer keys, full DSA layers only)
     cdef public object Lc, Rc, Ic
@@ -696,8 +723,9 @@ cdef class Model:
             rl=f(S, c.n_experts),
             kvb=f(T, c.n_heads * (c.qk_nope + c.v_head)) if self.absorb != 1 else f(1, 1),
             tbuf=f(nt, 2 * c.kv_lora + T),
-            xq=np.zeros(max(S, T) * max(widest, c.kv_lora), np.int8),
-            xs=f(max(S, T) * max(widest, c.kv_lora)),
+            xq=np.zeros(2 * max(S, T) * max(widest, c.kv_lora), np.int8),
+            xs=f(2 * max(S, T) * max(widest, c.kv_lora)),
+            xr=f(max(widest, c.kv_lora)),
         )
         if self.has_dsa:
             ws.update(ik=f(S, c.index_hd), iq=f(S, c.index_nh * c.index_hd), iw=f(S, c.index_nh),
@@ -710,13 +738,14 @@ cdef class Model:
     cdef void _mm(self, QT W, float[:, ::1] x, int S, float[:, ::1] y, dict ws):
         """y[:S] = x[:S] · Wᵀ (GIL released inside)."""
         cdef int8_t[::1] xq = ws["xq"]
-        cdef float[::1] xs = ws["xs"]
+        cdef float[::1] xs = ws["xs"], xr = ws["xr"]
         if (x.shape[1] != W.c.I or y.shape[1] != W.c.O or x.shape[0] < S or y.shape[0] < S
-                or xq.shape[0] < <Py_ssize_t>S * W.c.I or xs.shape[0] < <Py_ssize_t>S * W.c.I):
+                or xq.shape[0] < 2 * <Py_ssize_t>S * W.c.I or xs.shape[0] < 2 * <Py_ssize_t>S * W.c.I
+                or xr.shape[0] < W.c.I):
             raise EngineError(f"matmul shapes: x {x.shape[0]}x{x.shape[1]}, y {y.shape[0]}x{y.shape[1]}, "
                               f"W {W.c.O}x{W.c.I}, S={S}")
         with nogil:
-            matmul_qt(&W.c, &x[0, 0], S, &y[0, 0], &xq[0], &xs[0], self.act_block, self.idot)
+            matmul_qt(&W.c, &x[0, 0], S, &y[0, 0], &xq[0], &xs[0], &xr[0], self.act_block, self.idot)
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -946,13 +975,14 @@ cdef class Model:
         cdef int S = x.shape[0]
         h = rmsnorm(x, self.final_norm, self.cfg.eps)
         logits = np.empty((S, self.lm_head.c.O), np.float32)
-        xq = np.empty(S * self.cfg.hidden, np.int8)
-        xs = np.empty(S * self.cfg.hidden, np.float32)
+        xq = np.empty(2 * S * self.cfg.hidden, np.int8)
+        xs = np.empty(2 * S * self.cfg.hidden, np.float32)
+        xr = np.empty(self.cfg.hidden, np.float32)
         cdef float[:, ::1] hv = h, lv = logits
         cdef int8_t[::1] qv = xq
-        cdef float[::1] sv = xs
+        cdef float[::1] sv = xs, rv = xr
         with nogil:
-            matmul_qt(&self.lm_head.c, &hv[0, 0], S, &lv[0, 0], &qv[0], &sv[0], self.act_block, self.idot)
+            matmul_qt(&self.lm_head.c, &hv[0, 0], S, &lv[0, 0], &qv[0], &sv[0], &rv[0], self.act_block, self.idot)
         if np.isnan(logits).any():
             raise EngineError("NaN in the logits (non-finite activations or weights)")
         return logits
@@ -1153,20 +1183,23 @@ cdef inline bint _chosen(const int *sel, int k, int e) noexcept nogil:
 # model_init
 # ---------------------------------------------------------------------------------------------
 
-def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=32, bint idot=True,
+def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=32, int idot=IDOT_Q8X2,
                int act_block=0, int absorb=-1, bint dsa_force=False, bint dsa=True, isa=None, threads=0):
     """Load a model directory (our container or a plain HF checkpoint).
 
     cache_experts: routed experts kept per layer in the LRU cache (0 = all of them).
     dense_bits / expert_bits: precision for tensors stored as floats (>= 16 keeps f32; 8 int8; 4 int4);
         container tensors keep the format they were converted to.
-    idot: integer dot products with Q8 activations for int8/int4 weights (False = float path).
+    idot: matmul path for int8/int4 weights: 2 = integer dots on Q8 activations plus their Q8
+        residual (default, near-float accuracy), 1 = plain per-block Q8 activations (colibrì's IDOT,
+        fastest), 0 = float dequant-on-use dots.
     act_block: activation quantization block (0 = one scale per row, else a multiple of 64).
     absorb: -1 auto (absorbed attention when a batch has <= 4 rows), 0 never, 1 always.
     """
     path = os.fspath(path)
     cfg = load_config(path)
     check_block(act_block)
+    check_idot(idot)
     if absorb not in (-1, 0, 1):
         raise ValueError(f"absorb must be -1, 0 or 1, got {absorb}")
     if cache_experts < 0:

@@ -16,8 +16,10 @@ def _engine_options(p: argparse.ArgumentParser):
                         "(container files keep their own format; default 32 = f32)")
     g.add_argument("--expert-bits", type=int, default=32, choices=(4, 8, 32),
                    help="precision of routed experts stored as floats (default 32 = f32)")
-    g.add_argument("--no-idot", action="store_true",
-                   help="float dequant-on-use matmuls instead of integer dots with Q8 activations")
+    g.add_argument("--idot", type=int, default=2, choices=(0, 1, 2),
+                   help="matmul path for int8/int4 weights: 2 = integer dots on Q8 activations + Q8 "
+                        "residual (default, near-float accuracy); 1 = Q8 activations only (fastest); "
+                        "0 = float dequant-on-use")
     g.add_argument("--act-block", type=int, default=0, metavar="N",
                    help="activation quantization block for integer dots: 0 = one scale per row "
                         "(default), or a multiple of 64")
@@ -30,7 +32,7 @@ def _engine_options(p: argparse.ArgumentParser):
 
 def engine_kwargs(args) -> dict:
     return dict(cache_experts=args.cache_experts, dense_bits=args.dense_bits, expert_bits=args.expert_bits,
-                idot=not args.no_idot, act_block=args.act_block,
+                idot=args.idot, act_block=args.act_block,
                 absorb={"auto": -1, "never": 0, "always": 1}[args.absorb],
                 dsa_force=args.dsa_force, threads=args.threads)
 

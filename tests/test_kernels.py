@@ -87,7 +87,7 @@ def test_matmul_integer_path_matches_numpy(isa, bits, block):
         payload, scale, fmt = quant.quantize(W, bits)
         qt = _core.QT.from_packed(payload, scale, O, I)
         Wd = qt.dequantize().astype(np.float64)
-        y = _core.matmul(qt, x, block=block)
+        y = _core.matmul(qt, x, block=block, idot=1)
         if bits == 2:   # int2 always takes the float path
             ref = x.astype(np.float64) @ Wd.T
         else:
@@ -116,7 +116,7 @@ def test_matmul_float_path_matches_numpy(isa, bits):
             payload, scale, _ = quant.quantize(W, bits)
             qt = _core.QT.from_packed(payload, scale, O, I)
         ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T
-        y = _core.matmul(qt, x, idot=False)
+        y = _core.matmul(qt, x, idot=0)
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.sqrt(I) * np.abs(ref).max())
 
 

@@ -1,0 +1,464 @@
+"""Read-only access to a directory of safetensors files (the weight container).
+
+This is the Python side of the container reader described in the engine spec
+(section 2.1).  A model directory holds one or more ``*.safetensors`` files; every
+file is indexed, in byte order of the file names (like C ``strcmp``), and a
+tensor name that appears in several files resolves to the alphabetically first
+file.
+
+Every header is validated when the directory is opened, so a truncated or
+corrupt file is reported immediately, naming the file (and the tensor where one
+is involved), instead of failing later in the middle of inference.
+
+Tensor data are read with ``os.pread`` on file descriptors that stay open for
+the lifetime of the :class:`SafeTensorsDir`; the engine may use the same
+descriptors (:meth:`SafeTensorsDir.fileno`) for its own reads.
+
+Only numpy is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+__all__ = [
+    "ContainerError",
+    "MissingTensorError",
+    "TensorInfo",
+    "SafeTensorsDir",
+    "DTYPE_SIZES",
+    "FLOAT_DTYPES",
+    "MAX_HEADER_BYTES",
+    "scan_file",
+    "decode_f32",
+    "e4m3_table",
+]
+
+#: Largest JSON header accepted (same limit as the safetensors library).
+MAX_HEADER_BYTES = 100_000_000
+
+#: Item size in bytes of every safetensors dtype this reader understands.
+#: (Sub-byte dtypes such as F4 or F6_* are not supported and count as unknown.)
+DTYPE_SIZES: Dict[str, int] = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+#: Dtypes that :func:`decode_f32` / :meth:`SafeTensorsDir.read_f32` convert.
+FLOAT_DTYPES = frozenset({"F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F64"})
+
+# Largest single read handed to the kernel (Linux caps one read near 2 GiB).
+_READ_CHUNK = 1 << 30
+
+
+class ContainerError(ValueError):
+    """A problem with a container file or directory.
+
+    Messages always name the file (or directory) and, where relevant, the tensor.
+    """
+
+
+class MissingTensorError(ContainerError, KeyError):
+    """A tensor name that the container does not hold (also a ``KeyError``)."""
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives on disk."""
+
+    name: str
+    path: str
+    file_index: int
+    offset: int  # absolute byte offset of the first data byte in the file
+    nbytes: int
+    dtype: str  # safetensors dtype string ("F32", "BF16", "U8", ...)
+    shape: Tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+
+# ---------------------------------------------------------------------------
+# dtype decoding
+
+
+def _build_e4m3_table() -> np.ndarray:
+    """float32 value of each of the 256 e4m3fn codes.
+
+    e4m3fn: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits, no
+    infinities; exponent 15 with mantissa 7 (0x7F / 0xFF) is NaN, every other
+    code is finite (largest magnitude 448).
+    """
+    codes = np.arange(256, dtype=np.int64)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exp = (codes >> 3) & 0xF
+    man = codes & 0x7
+    normal = (1.0 + man / 8.0) * np.exp2(exp - 7.0)
+    subnormal = (man / 8.0) * np.exp2(1.0 - 7.0)
+    vals = sign * np.where(exp == 0, subnormal, normal)
+    vals[(exp == 15) & (man == 7)] = np.nan
+    return vals.astype(np.float32)
+
+
+_E4M3 = _build_e4m3_table()
+_E4M3.setflags(write=False)
+
+
+def e4m3_table() -> np.ndarray:
+    """Read-only float32 lookup table: code (0..255) -> e4m3fn value."""
+    return _E4M3
+
+
+def decode_f32(raw: np.ndarray, dtype: str, what: str = "tensor") -> np.ndarray:
+    """Convert raw little-endian bytes of a float dtype to a 1-D float32 array.
+
+    ``raw`` is a uint8 array (or anything exposing the buffer protocol).
+    BF16, F16, F32, F64, F8_E4M3 (e4m3fn) and F8_E5M2 are supported; U8/I8 and
+    the other integer types are rejected (packed payloads are never floats).
+    ``what`` names the tensor/file in error messages.
+    """
+    buf = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw.reshape(-1)
+    if buf.dtype != np.uint8:
+        buf = buf.view(np.uint8)
+    if dtype not in FLOAT_DTYPES:
+        raise ContainerError(f"{what}: dtype {dtype} cannot be read as float32")
+    size = DTYPE_SIZES[dtype]
+    if buf.size % size:
+        raise ContainerError(f"{what}: {buf.size} bytes is not a whole number of {dtype} items")
+    if dtype == "F32":
+        return buf.view("<f4").astype(np.float32, copy=True)
+    if dtype == "BF16":
+        hi = buf.view("<u2").astype(np.uint32)
+        return (hi << np.uint32(16)).view(np.float32)
+    if dtype == "F16":
+        return buf.view("<f2").astype(np.float32)
+    if dtype == "F64":
+        return buf.view("<f8").astype(np.float32)
+    if dtype == "F8_E4M3":
+        return _E4M3[buf]
+    if dtype == "F8_E5M2":
+        # e5m2 is exactly the high byte of an IEEE half.
+        half = buf.astype(np.uint16) << np.uint16(8)
+        return half.view(np.float16).astype(np.float32)
+    raise ContainerError(f"{what}: dtype {dtype} cannot be read as float32")  # pragma: no cover
+
+
+# ---------------------------------------------------------------------------
+# header parsing
+
+
+def _no_duplicate_keys(pairs):
+    obj = {}
+    for k, v in pairs:
+        if k in obj:
+            raise ValueError(f"duplicate key {k!r}")
+        obj[k] = v
+    return obj
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def scan_file(path: str, file_index: int = 0, fd: Optional[int] = None):
+    """Parse and validate the header of one safetensors file.
+
+    Returns ``(tensors, header_len, data_end)``: a dict name -> :class:`TensorInfo`
+    (in header order), the JSON header length, and the largest data offset used
+    (relative to the start of the data region).  Raises :class:`ContainerError`
+    naming the file (and tensor) on any inconsistency.
+    """
+    own_fd = fd is None
+    if own_fd:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise ContainerError(f"{path}: cannot open: {e.strerror}") from e
+    try:
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise ContainerError(f"{path}: file is {size} bytes, too small for a safetensors header")
+        head = os.pread(fd, 8, 0)
+        if len(head) != 8:
+            raise ContainerError(f"{path}: short read of the header length")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > MAX_HEADER_BYTES:
+            raise ContainerError(
+                f"{path}: header length {hlen} exceeds the {MAX_HEADER_BYTES}-byte limit "
+                "(not a safetensors file?)"
+            )
+        if 8 + hlen > size:
+            raise ContainerError(
+                f"{path}: header length {hlen} runs past the end of the {size}-byte file "
+                "(truncated or not a safetensors file)"
+            )
+        raw = _pread_exact(fd, hlen, 8, path)
+        try:
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ContainerError(f"{path}: header is not valid JSON: {e}") from e
+        if not isinstance(header, dict):
+            raise ContainerError(f"{path}: header is not a JSON object")
+        data_start = 8 + hlen
+        data_len = size - data_start
+        tensors: Dict[str, TensorInfo] = {}
+        data_end = 0
+        for name, ent in header.items():
+            if name == "__metadata__":
+                if ent is not None and not isinstance(ent, dict):
+                    raise ContainerError(f"{path}: __metadata__ is not a JSON object")
+                continue
+            where = f"{path}: tensor {name!r}"
+            if not isinstance(ent, dict):
+                raise ContainerError(f"{where}: entry is not a JSON object")
+            for key in ("dtype", "shape", "data_offsets"):
+                if key not in ent:
+                    raise ContainerError(f"{where}: missing {key!r}")
+            dtype = ent["dtype"]
+            if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+                raise ContainerError(f"{where}: unknown dtype {dtype!r}")
+            shape = ent["shape"]
+            if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+                raise ContainerError(f"{where}: shape {shape!r} is not a list of integers")
+            if any(d < 0 for d in shape):
+                raise ContainerError(f"{where}: negative dimension in shape {shape}")
+            offs = ent["data_offsets"]
+            if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
+                raise ContainerError(f"{where}: data_offsets {offs!r} is not a pair of integers")
+            begin, end = offs
+            if begin < 0 or end < begin:
+                raise ContainerError(f"{where}: bad data_offsets {offs}")
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * DTYPE_SIZES[dtype]
+            if end - begin != nbytes:
+                raise ContainerError(
+                    f"{where}: data_offsets {offs} hold {end - begin} bytes but "
+                    f"{dtype}{shape} needs {nbytes}"
+                )
+            if end > data_len:
+                raise ContainerError(
+                    f"{where}: data ends at byte {data_start + end} but the file has only "
+                    f"{size} bytes (truncated file)"
+                )
+            data_end = max(data_end, end)
+            tensors[name] = TensorInfo(
+                name=name,
+                path=path,
+                file_index=file_index,
+                offset=data_start + begin,
+                nbytes=nbytes,
+                dtype=dtype,
+                shape=tuple(shape),
+            )
+        return tensors, hlen, data_end
+    finally:
+        if own_fd:
+            os.close(fd)
+
+
+def _pread_into(fd: int, out: np.ndarray, offset: int, what: str) -> None:
+    """Fill the uint8 array ``out`` from ``fd`` at ``offset``; short read -> error."""
+    mv = memoryview(out).cast("B")
+    total = len(mv)
+    done = 0
+    while done < total:
+        want = min(total - done, _READ_CHUNK)
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, [mv[done : done + want]], offset + done)
+        else:  # pragma: no cover - platforms without preadv
+            chunk = os.pread(fd, want, offset + done)
+            n = len(chunk)
+            mv[done : done + n] = chunk
+        if n <= 0:
+            raise ContainerError(
+                f"{what}: short read ({done} of {total} bytes at offset {offset}); "
+                "the file was truncated or changed"
+            )
+        done += n
+
+
+def _pread_exact(fd: int, nbytes: int, offset: int, what: str) -> bytes:
+    buf = np.empty(nbytes, dtype=np.uint8)
+    _pread_into(fd, buf, offset, what)
+    return buf.tobytes()
+
+
+# ---------------------------------------------------------------------------
+# directory
+
+
+class SafeTensorsDir:
+    """Index of every ``*.safetensors`` file in a directory.
+
+    Files are taken in byte order of their names; a duplicated tensor name
+    resolves to the entry of the alphabetically first file.  Each file stays
+    open (``O_RDONLY``) until :meth:`close`.
+    """
+
+    def __init__(self, directory):
+        directory = os.fspath(directory)
+        self.directory = directory
+        self._fds: List[int] = []
+        self._index: Dict[str, TensorInfo] = {}
+        self._per_file: List[Dict[str, TensorInfo]] = []
+        self._shadowed: List[TensorInfo] = []
+        if not os.path.isdir(directory):
+            raise ContainerError(f"{directory}: no such directory")
+        try:
+            entries = os.listdir(directory)
+        except OSError as e:
+            raise ContainerError(f"{directory}: cannot list directory: {e.strerror}") from e
+        names = sorted(
+            (n for n in entries
+             if n.endswith(".safetensors") and os.path.isfile(os.path.join(directory, n))),
+            key=os.fsencode,
+        )
+        if not names:
+            raise ContainerError(f"{directory}: no .safetensors file in the directory")
+        self.paths: List[str] = [os.path.join(directory, n) for n in names]
+        try:
+            for i, path in enumerate(self.paths):
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError as e:
+                    raise ContainerError(f"{path}: cannot open: {e.strerror}") from e
+                self._fds.append(fd)
+                tensors, _, _ = scan_file(path, i, fd)
+                self._per_file.append(tensors)
+                for name, info in tensors.items():
+                    if name in self._index:
+                        self._shadowed.append(info)  # first file wins
+                    else:
+                        self._index[name] = info
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lookup -----------------------------------------------------------
+    def __contains__(self, name) -> bool:
+        return name in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise MissingTensorError(f"missing tensor {name} in {self.directory}") from None
+
+    def get(self, name: str) -> Optional[TensorInfo]:
+        return self._index.get(name)
+
+    def names(self) -> List[str]:
+        """All (winning) tensor names, sorted."""
+        return sorted(self._index)
+
+    def tensors_in_file(self, file_index: int) -> List[TensorInfo]:
+        """Tensors whose winning entry lives in file ``file_index``, in file-offset order."""
+        if not 0 <= file_index < len(self.paths):
+            raise ContainerError(f"{self.directory}: no file with index {file_index}")
+        out = [t for n, t in self._per_file[file_index].items() if self._index[n] is t]
+        out.sort(key=lambda t: (t.offset, t.name))
+        return out
+
+    def shadowed(self) -> List[TensorInfo]:
+        """Entries hidden by a same-named tensor in an alphabetically earlier file."""
+        return list(self._shadowed)
+
+    def fileno(self, file_index: int) -> int:
+        if not 0 <= file_index < len(self._fds):
+            raise ContainerError(f"{self.directory}: no open file with index {file_index}")
+        return self._fds[file_index]
+
+    # -- reading ----------------------------------------------------------
+    def read_raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a new uint8 array of exactly ``nbytes``."""
+        info = self.info(name)
+        out = np.empty(info.nbytes, dtype=np.uint8)
+        _pread_into(self.fileno(info.file_index), out, info.offset, f"{info.path}: tensor {name!r}")
+        return out
+
+    def read_raw_range(self, name: str, start: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes of the tensor's data starting ``start`` bytes into it."""
+        info = self.info(name)
+        if start < 0 or nbytes < 0 or start + nbytes > info.nbytes:
+            raise ContainerError(
+                f"{info.path}: tensor {name!r}: byte range [{start}, {start + nbytes}) "
+                f"outside its {info.nbytes} bytes"
+            )
+        out = np.empty(nbytes, dtype=np.uint8)
+        _pread_into(self.fileno(info.file_index), out, info.offset + start,
+                    f"{info.path}: tensor {name!r}")
+        return out
+
+    def read_f32(self, name: str) -> np.ndarray:
+        """The tensor converted to float32, with its shape.
+
+        BF16, F16, F32, F64, F8_E4M3 (e4m3fn) and F8_E5M2 are converted; U8/I8
+        (packed quantized payloads) and other integer dtypes raise
+        :class:`ContainerError`.
+        """
+        info = self.info(name)
+        what = f"{info.path}: tensor {name!r}"
+        if info.dtype not in FLOAT_DTYPES:
+            raise ContainerError(f"{what}: dtype {info.dtype} cannot be read as float32")
+        raw = self.read_raw(name)
+        return decode_f32(raw, info.dtype, what).reshape(info.shape)
+
+    # -- lifetime ---------------------------------------------------------
+    def close(self) -> None:
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __enter__(self) -> "SafeTensorsDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"SafeTensorsDir({self.directory!r}, files={len(self.paths)}, tensors={len(self._index)})"
