@@ -1,0 +1,109 @@
+"""The command-line contract: run, convert, parity."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import DATA
+
+
+def colibri(*args, check=True):
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    p = subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    if check and p.returncode != 0:
+        raise AssertionError(f"exit {p.returncode}\nstdout: {p.stdout}\nstderr: {p.stderr}")
+    return p
+
+
+def test_help_lists_commands():
+    out = colibri("--help").stdout
+    for cmd in ("run", "convert", "parity"):
+        assert cmd in out
+    assert "--cache-experts" in colibri("run", "--help").stdout
+
+
+def test_run_greedy_with_stats(tmp_path):
+    ref = json.loads((DATA / "tiny_dense" / "ref.json").read_text())
+    stats = tmp_path / "stats.json"
+    prompt = ",".join(map(str, ref["prompt_ids"]))
+    p = colibri("run", "--model", DATA / "tiny_dense", "--prompt-ids", prompt, "--max-tokens", 20,
+                "--temperature", 0, "--cache-experts", 2, "--stats-json", stats)
+    s = json.loads(stats.read_text())
+    assert s["tokens"] == ref["full_ids"][len(ref["prompt_ids"]):]
+    assert p.stdout.split() == [str(t) for t in s["tokens"]]
+    for key in ("prefill_tokens", "prefill_s", "decode_tokens", "decode_s", "decode_tok_s", "forwards",
+                "expert_hits", "expert_misses", "bytes_read", "peak_rss_bytes"):
+        assert key in s
+    assert s["prefill_tokens"] == 12 and s["decode_tokens"] == 20
+    assert s["forwards"] == 20            # prefill + 19 decode steps (the last token is not forwarded)
+    assert s["expert_misses"] > 0 and s["bytes_read"] > 0 and s["peak_rss_bytes"] > 0
+    assert "tok/s" in p.stderr
+
+
+def test_run_sampling_is_seeded(tmp_path):
+    args = ["run", "--model", DATA / "tiny_dsa", "--prompt-ids", "3,14,15", "--max-tokens", 12,
+            "--temperature", 1.0, "--seed", 7, "--quiet"]
+    assert colibri(*args).stdout == colibri(*args).stdout
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--prompt-ids", "3,x"], "--prompt-ids"),
+    (["--prompt-ids", "3,99999"], "vocabulary"),
+    (["--prompt-ids", "3", "--temperature", "-1"], "temperature"),
+    (["--prompt-ids", "3", "--top-p", "1.5"], "top-p"),
+    (["--prompt-ids", "3", "--max-tokens", "5000"], "context"),
+    (["some text"], "tokenizer"),
+])
+def test_run_bad_input(args, msg):
+    p = colibri("run", "--model", DATA / "tiny_dense", *args, check=False)
+    assert p.returncode != 0
+    assert msg in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_parity_cli_pass_and_fail(tmp_path):
+    ref_path = DATA / "tiny_dsa" / "ref.json"
+    p = colibri("parity", DATA / "tiny_dsa", ref_path, "--json")
+    res = json.loads(p.stdout)
+    assert res["tf_match"] == res["tf_total"] == 32
+    assert res["greedy_match"] == res["greedy_total"] == 20
+    assert res["max_abs_logit_diff"] <= 1e-3
+    bad = json.loads(ref_path.read_text())
+    bad["tf_pred"][5] = (bad["tf_pred"][5] + 1) % 256
+    bad_path = tmp_path / "bad.json"
+    bad_path.write_text(json.dumps(bad))
+    p = colibri("parity", DATA / "tiny_dsa", bad_path, "--json", check=False)
+    assert p.returncode == 1
+    assert json.loads(p.stdout)["tf_match"] == 31
+
+
+def test_convert_cli_and_parity(tmp_path):
+    dst = tmp_path / "int4"
+    colibri("convert", DATA / "tiny_dense", dst, "--expert-bits", 4, "--dense-bits", 4, "--io-bits", 8)
+    assert (dst / "config.json").exists()
+    p = colibri("parity", dst, DATA / "tiny_dense" / "ref_int4.json", "--json")
+    assert json.loads(p.stdout)["pass"]
+
+
+def test_fp8_checkpoint_converts_exactly(tmp_path):
+    """FP8 e4m3 weights with 128x128 block scales, converted to f32, reproduce the reference made from
+    the same FP8 weights dequantized in transformers; converted to int4, they give the same container
+    as the dequantized f32 weights do."""
+    f32 = tmp_path / "f32"
+    colibri("convert", DATA / "tiny_dense_fp8", f32, "--expert-bits", 32, "--dense-bits", 32, "--io-bits", 32)
+    res = json.loads(colibri("parity", f32, DATA / "tiny_dense_fp8" / "ref.json", "--json").stdout)
+    assert res["pass"] and res["max_abs_logit_diff"] <= 1e-3
+    from safetensors.numpy import load_file
+    i4 = tmp_path / "i4"
+    colibri("convert", DATA / "tiny_dense_fp8", i4, "--expert-bits", 4, "--dense-bits", 4)
+    i4_ref = tmp_path / "i4_ref"
+    colibri("convert", f32, i4_ref, "--expert-bits", 4, "--dense-bits", 4)
+    a = load_file(str(i4 / "out-00000.safetensors"))
+    b = load_file(str(i4_ref / "out-00000.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
