@@ -94,7 +94,8 @@ def test_fp8_checkpoint_converts_exactly(tmp_path):
     the same FP8 weights dequantized in transformers; converted to int4, they give the same container
     as the dequantized f32 weights do."""
     f32 = tmp_path / "f32"
-    colibri("convert", DATA / "tiny_dense_fp8", f32, "--expert-bits", 32, "--dense-bits", 32, "--io-bits", 32)
+    colibri("convert", DATA / "tiny_dense_fp8", f32, "--expert-bits", 32, "--dense-bits", 32, "--io-bits", 32,
+            "--indexer-bits", 32)
     res = json.loads(colibri("parity", f32, DATA / "tiny_dense_fp8" / "ref.json", "--json").stdout)
     assert res["pass"] and res["max_abs_logit_diff"] <= 1e-3
     from safetensors.numpy import load_file
