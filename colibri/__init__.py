@@ -3,9 +3,31 @@
 The dense part stays resident in RAM (f32, int8 or int4); routed experts are streamed from disk
 through a per-layer LRU cache. The engine lives in :mod:`colibri._core`.
 """
+import os as _os
+import sys as _sys
+
 __version__ = "0.1.0"
 
-from .config import Config, ConfigError, load_config  # noqa: F401
+
+def _find_installed_extension():
+    """When colibri is imported from a source checkout (e.g. ``python -m colibri`` run in the
+    repository after ``pip install .``), the compiled ``_core`` lives in the installed copy: add
+    that copy's folder to this package's search path so ``colibri._core`` resolves to it."""
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    if any(f.startswith("_core.") and f.endswith((".so", ".pyd")) for f in _os.listdir(here)):
+        return
+    for entry in _sys.path:
+        cand = _os.path.join(_os.path.abspath(entry or "."), "colibri")
+        if cand == here or not _os.path.isdir(cand):
+            continue
+        if any(f.startswith("_core.") and f.endswith((".so", ".pyd")) for f in _os.listdir(cand)):
+            __path__.append(cand)
+            return
+
+
+_find_installed_extension()
+
+from .config import Config, ConfigError, load_config  # noqa: E402,F401
 
 
 def model_init(path, **options):

@@ -487,6 +487,47 @@ cdef int cmp_int_asc(const void *a, const void *b) noexcept nogil:
     return (x > y) - (x < y)
 
 
+cdef class Work:
+    """Scratch buffers of one forward: S rows, T keys. Sized once, reused while they fit."""
+    cdef public int S, T, widest
+    cdef public float[:, ::1] n, a, out, qr, q, ckv, ctx, xg, yg, rl, rw, kvb, tbuf, ik, iq, iw, isc
+    cdef public float[::1] g, u, xs, xr, uw
+    cdef public int8_t[::1] xq
+    cdef public int[:, ::1] sel, rsel
+    cdef public int[::1] nsel, upos, uniq, ustart, urow
+
+    def __init__(self, c, int S, int T, bint dsa, bint expanded):
+        f = lambda *shape: np.zeros(shape, np.float32)
+        i32 = lambda *shape: np.zeros(shape, np.int32)
+        nt = max(coli_max_threads(), 1)
+        inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)
+        self.S, self.T = S, T
+        # widest matmul input; the expanded kv_b matmul runs over T rows of kv_lora
+        self.widest = max(c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter)
+        rows = max(S, T) if expanded else S
+        self.n, self.a, self.out = f(S, c.hidden), f(S, c.hidden), f(S, c.hidden)
+        self.qr, self.q = f(S, c.q_lora), f(S, c.n_heads * c.qk_head)
+        self.ckv, self.ctx = f(S, c.kv_lora + c.qk_rope), f(S, c.n_heads * c.v_head)
+        self.g, self.u = f(S * inter), f(S * inter)            # flat: [S, width of the MLP at hand]
+        self.xg, self.yg = f(S, c.hidden), f(S, c.hidden)
+        self.rl = f(S, c.n_experts)
+        self.rsel, self.rw = i32(S, c.topk), f(S, c.topk)
+        self.upos, self.uniq = np.full(c.n_experts, -1, np.int32), i32(S * c.topk)
+        self.ustart, self.urow, self.uw = i32(S * c.topk + 1), i32(S * c.topk), f(S * c.topk)
+        self.kvb = f(T, c.n_heads * (c.qk_nope + c.v_head)) if expanded else f(1, 1)
+        self.tbuf = f(nt, 2 * c.kv_lora + T)
+        self.xq = np.zeros(2 * rows * self.widest, np.int8)
+        self.xs = f(2 * rows * self.widest)
+        self.xr = f(self.widest)
+        if dsa:
+            self.ik, self.iq = f(S, c.index_hd), f(S, c.index_nh * c.index_hd)
+            self.iw, self.isc = f(S, c.index_nh), f(nt, 2 * T)
+            self.sel, self.nsel = i32(S, max(c.index_topk, 1)), i32(S)
+        else:
+            self.sel = i32(1, 1)
+            self.nsel = i32(1)
+
+
 cdef class Model:
     """A loaded glm_moe_dsa model: resident dense weights, streamed experts, KV cache, stats.
 
@@ -508,9 +549,7 @@ cdef class Model:
     cdef public long long expert_hits, expert_misses, bytes_read, forwards
     cdef public double t_disk, t_attn, t_moe
     # Scratch
-    cdef object _ws
-    cdef int _ws_S, _ws_T
-    cdef object _sel, _nsel
+    cdef Work _ws
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -705,47 +744,24 @@ cdef class Model:
 
     def _work(self, int S, int T):
         """Scratch buffers for a forward of S rows over T keys (kept while the sizes fit)."""
-        if self._ws is not None and S <= self._ws_S and T <= self._ws_T:
-            return self._ws
-        c = self.cfg
-        S = max(S, self._ws_S)
-        T = max(T, self._ws_T)
-        nt = max(coli_max_threads(), 1)
-        inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)
-        widest = max(c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter, c.n_heads * c.qk_head)
-        f = lambda *shape: np.zeros(shape, np.float32)
-        ws = dict(
-            n=f(S, c.hidden), a=f(S, c.hidden), out=f(S, c.hidden),
-            qr=f(S, c.q_lora), q=f(S, c.n_heads * c.qk_head), ckv=f(S, c.kv_lora + c.qk_rope),
-            ctx=f(S, c.n_heads * c.v_head),
-            g=f(S * inter), u=f(S * inter),     # flat: viewed as [S, width of the MLP at hand]
-            xg=f(S, c.hidden), yg=f(S, c.hidden),
-            rl=f(S, c.n_experts),
-            kvb=f(T, c.n_heads * (c.qk_nope + c.v_head)) if self.absorb != 1 else f(1, 1),
-            tbuf=f(nt, 2 * c.kv_lora + T),
-            xq=np.zeros(2 * max(S, T) * max(widest, c.kv_lora), np.int8),
-            xs=f(2 * max(S, T) * max(widest, c.kv_lora)),
-            xr=f(max(widest, c.kv_lora)),
-        )
-        if self.has_dsa:
-            ws.update(ik=f(S, c.index_hd), iq=f(S, c.index_nh * c.index_hd), iw=f(S, c.index_nh),
-                      isc=np.zeros((nt, T * 2), np.float32))
-            self._sel = np.zeros((S, max(c.index_topk, 1)), np.int32)
-            self._nsel = np.zeros(S, np.int32)
-        self._ws, self._ws_S, self._ws_T = ws, S, T
+        cdef Work ws = self._ws
+        if ws is not None and S <= ws.S and T <= ws.T:
+            return ws
+        if ws is not None:
+            S = max(S, ws.S)
+            T = max(T, ws.T)
+        ws = Work(self.cfg, S, T, self.has_dsa, self.absorb != 1)
+        self._ws = ws
         return ws
 
-    cdef void _mm(self, QT W, float[:, ::1] x, int S, float[:, ::1] y, dict ws):
-        """y[:S] = x[:S] · Wᵀ (GIL released inside)."""
-        cdef int8_t[::1] xq = ws["xq"]
-        cdef float[::1] xs = ws["xs"], xr = ws["xr"]
-        if (x.shape[1] != W.c.I or y.shape[1] != W.c.O or x.shape[0] < S or y.shape[0] < S
-                or xq.shape[0] < 2 * <Py_ssize_t>S * W.c.I or xs.shape[0] < 2 * <Py_ssize_t>S * W.c.I
-                or xr.shape[0] < W.c.I):
-            raise EngineError(f"matmul shapes: x {x.shape[0]}x{x.shape[1]}, y {y.shape[0]}x{y.shape[1]}, "
-                              f"W {W.c.O}x{W.c.I}, S={S}")
+    cdef int _mm(self, QT W, const float *x, int S, float *y, Work ws) except -1:
+        """y[S, O] = x[S, I] · Wᵀ with the GIL released; the scratch must hold S rows of W's width."""
+        if S > ws.S or W.c.I > ws.widest:
+            raise EngineError(f"matmul of {S} rows x {W.c.I} inputs exceeds the scratch "
+                              f"({ws.S} rows x {ws.widest})")
         with nogil:
-            matmul_qt(&W.c, &x[0, 0], S, &y[0, 0], &xq[0], &xs[0], &xr[0], self.act_block, self.idot)
+            matmul_qt(&W.c, x, S, y, &ws.xq[0], &ws.xs[0], &ws.xr[0], self.act_block, self.idot)
+        return 0
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -758,23 +774,23 @@ cdef class Model:
         memset(&o[0], 0, E.I * sizeof(float))
         qt_addrow(E, tok, 1.0, &o[0])
 
-    def attention(self, Layer L, float[:, ::1] n, int S, int pos_base, float[:, ::1] out, dict ws):
+    def attention(self, Layer L, float[:, ::1] n, int S, int pos_base, float[:, ::1] out, Work ws):
         """MLA attention with the compressed KV cache (spec §4.3). n [S, D] -> out [S, D]."""
         c = self.cfg
         cdef int H = c.n_heads, dn = c.qk_nope, dr = c.qk_rope, dv = c.v_head, dq = c.qk_head
         cdef int Lq = c.q_lora, Lkv = c.kv_lora, T = pos_base + S
         cdef int s, h, pos
         cdef float eps = LORA_NORM_EPS
-        cdef float[:, ::1] qr = ws["qr"], q = ws["q"], ckv = ws["ckv"], ctx = ws["ctx"]
+        cdef float[:, ::1] qr = ws.qr, q = ws.q, ckv = ws.ckv, ctx = ws.ctx
         cdef float[:, ::1] Lc = self.Lc[L.index], Rc = self.Rc[L.index]
         cdef float[::1] qa_ln = L.q_a_ln, kv_ln = L.kv_a_ln, inv = self.inv_freq
         # Step 1: projections of the new rows; write their latent + rotated key into the cache.
-        self._mm(L.q_a, n, S, qr, ws)
-        self._mm(L.kv_a, n, S, ckv, ws)
+        self._mm(L.q_a, &n[0, 0], S, &qr[0, 0], ws)
+        self._mm(L.kv_a, &n[0, 0], S, &ckv[0, 0], ws)
         with nogil:
             for s in range(S):
                 rmsnorm_row(&qr[s, 0], &qr[s, 0], &qa_ln[0], Lq, eps)
-        self._mm(L.q_b, qr, S, q, ws)
+        self._mm(L.q_b, &qr[0, 0], S, &q[0, 0], ws)
         with nogil:
             for s in range(S):
                 pos = pos_base + s
@@ -784,66 +800,68 @@ cdef class Model:
                 memcpy(&Rc[pos, 0], &ckv[s, Lkv], dr * sizeof(float))
                 rope_interleave(&Rc[pos, 0], dr, pos, &inv[0])
         # Step 2: DSA lightning indexer (full layers select, shared layers reuse the last selection).
-        cdef bint sparse = False
-        if self.has_dsa:
-            if L.idx_full:
-                self._dsa_select(L, n, qr, S, pos_base, ws)
-            sparse = True
-        cdef int[:, ::1] sel = self._sel if sparse else None
-        cdef int[::1] nsel = self._nsel if sparse else None
+        cdef bint sparse = self.has_dsa
+        if sparse and L.idx_full:
+            self._dsa_select(L, n, S, pos_base, ws)
+        cdef int *sel = &ws.sel[0, 0] if sparse else NULL
+        cdef int *nsel = &ws.nsel[0] if sparse else NULL
+        cdef int topk = ws.sel.shape[1]
         # Step 3: attention, absorbed (latent space) or expanded (kv_b applied to every cached row).
         cdef bint absorbed = self.absorb == 1 or (self.absorb == -1 and S <= 4)
-        cdef float[:, ::1] tbuf = ws["tbuf"]
-        cdef float[:, ::1] kvb
+        cdef float[:, ::1] tbuf = ws.tbuf, kvb
         cdef float scale = c.attn_scale
+        cdef QTc *kv_b = &L.kv_b.c
         if absorbed:
             with nogil:
                 for s in prange(S * H, schedule='static'):
-                    attend_absorbed(&L.kv_b.c, &q[s // H, 0], &Lc[0, 0], &Rc[0, 0],
-                                    &sel[s // H, 0] if sparse else NULL,
+                    attend_absorbed(kv_b, &q[s // H, 0], &Lc[0, 0], &Rc[0, 0],
+                                    sel + (s // H) * topk if sparse else NULL,
                                     nsel[s // H] if sparse else 0,
                                     pos_base + s // H, s % H, H, dn, dr, dv, Lkv, scale,
                                     &tbuf[threadid(), 0], &ctx[s // H, 0])
         else:
-            kvb = ws["kvb"]
-            self._mm(L.kv_b, Lc, T, kvb, ws)
+            kvb = ws.kvb
+            if kvb.shape[0] < T:
+                raise EngineError("expanded attention scratch too small")
+            self._mm(L.kv_b, &Lc[0, 0], T, &kvb[0, 0], ws)
             with nogil:
                 for s in prange(S * H, schedule='static'):
                     attend_expanded(&q[s // H, 0], &kvb[0, 0], &Rc[0, 0],
-                                    &sel[s // H, 0] if sparse else NULL,
+                                    sel + (s // H) * topk if sparse else NULL,
                                     nsel[s // H] if sparse else 0,
                                     pos_base + s // H, s % H, H, dn, dr, dv, scale,
                                     &tbuf[threadid(), 0], &ctx[s // H, 0])
-        self._mm(L.o_proj, ctx, S, out, ws)
+        self._mm(L.o_proj, &ctx[0, 0], S, &out[0, 0], ws)
 
-    def _dsa_select(self, Layer L, float[:, ::1] n, float[:, ::1] qr, int S, int pos_base, dict ws):
+    def _dsa_select(self, Layer L, float[:, ::1] n, int S, int pos_base, Work ws):
         """Lightning indexer of a full layer: write this batch's indexer keys, then per query keep
-        the index_topk keys of highest score Σ_h w_h·relu(q_h·k_t / √hd), w = weights_proj(n)/√nh.
-        A query whose causal context fits in index_topk keeps every key (nsel = 0 = dense)."""
+        the index_topk keys of highest score Σ_h w_h·relu(q_h·k_t / √hd), w = weights_proj(n)/√nh
+        (q from the q_a_layernorm output). A query whose causal context fits in index_topk keeps
+        every key (nsel = 0 = dense), as HF's top-k over the causally masked scores does."""
         c = self.cfg
         cdef int nh = c.index_nh, hd = c.index_hd, dr = c.qk_rope, topk = c.index_topk
-        cdef int s, h, pos, nk
-        cdef float[:, ::1] ik = ws["ik"], iq = ws["iq"], iw = ws["iw"], isc = ws["isc"]
+        cdef int s, h, pos
+        cdef float[:, ::1] ik = ws.ik, iq = ws.iq, iw = ws.iw, isc = ws.isc, qr = ws.qr
         cdef float[:, ::1] Ic = self.Ic[L.index]
         cdef float[::1] kw = L.ik_w, kb = L.ik_b, inv = self.inv_freq
-        cdef int[:, ::1] sel = self._sel
-        cdef int[::1] nsel = self._nsel
+        cdef int[:, ::1] sel = ws.sel
+        cdef int[::1] nsel = ws.nsel
         cdef bint force = self.dsa_force
         cdef float eps = INDEXER_NORM_EPS
         cdef float qscale = 1.0 / sqrt(hd), wscale = 1.0 / sqrt(nh)
-        self._mm(L.iwk, n, S, ik, ws)
+        self._mm(L.iwk, &n[0, 0], S, &ik[0, 0], ws)
         with nogil:
             for s in range(S):
                 pos = pos_base + s
                 layernorm_row(&ik[s, 0], &kw[0], &kb[0], hd, eps)
                 rope_interleave(&ik[s, 0], dr, pos, &inv[0])
                 memcpy(&Ic[pos, 0], &ik[s, 0], hd * sizeof(float))
-        need = any(pos_base + s + 1 > topk or force for s in range(S))
-        if not need:
-            self._nsel[:S] = 0
+        if pos_base + S <= topk and not force:
+            for s in range(S):
+                nsel[s] = 0
             return
-        self._mm(L.iwq, qr, S, iq, ws)
-        self._mm(L.iwp, n, S, iw, ws)
+        self._mm(L.iwq, &qr[0, 0], S, &iq[0, 0], ws)
+        self._mm(L.iwp, &n[0, 0], S, &iw[0, 0], ws)
         with nogil:
             for s in range(S):
                 pos = pos_base + s
@@ -853,79 +871,79 @@ cdef class Model:
                 nsel[s] = dsa_topk(&iq[s, 0], &iw[s, 0], &Ic[0, 0], pos_base + s + 1, nh, hd, topk,
                                    qscale, wscale, force, &isc[threadid(), 0], &sel[s, 0])
 
-    def dense_mlp(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, dict ws):
+    def dense_mlp(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, Work ws):
         """out = down · (silu(gate · n) ⊙ (up · n)). n [S, D] -> out [S, D]."""
-        cdef int s, i, I = L.gate.c.O
-        cdef float[:, ::1] g = ws["g"][:S * I].reshape(S, I), u = ws["u"][:S * I].reshape(S, I)
-        self._mm(L.gate, n, S, g, ws)
-        self._mm(L.up, n, S, u, ws)
-        with nogil:
-            for s in range(S):
-                for i in range(I):
-                    g[s, i] = silu(g[s, i]) * u[s, i]
-        self._mm(L.down, g, S, out, ws)
+        self._ffn(L.gate, L.up, L.down, &n[0, 0], S, &out[0, 0], ws)
 
-    def moe(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, dict ws):
+    cdef int _ffn(self, QT gate, QT up, QT down, const float *x, int S, float *out, Work ws) except -1:
+        """out[S, D] = down · (silu(gate · x) ⊙ (up · x)), the hidden [S, I] kept in ws.g / ws.u."""
+        cdef int r, i, I = gate.c.O
+        cdef float *g = &ws.g[0]
+        cdef float *u = &ws.u[0]
+        if <Py_ssize_t>S * I > ws.g.shape[0]:
+            raise EngineError("MLP scratch too small")
+        self._mm(gate, x, S, g, ws)
+        self._mm(up, x, S, u, ws)
+        with nogil:
+            for r in range(S * I):
+                g[r] = silu(g[r]) * u[r]
+        self._mm(down, g, S, out, ws)
+        return 0
+
+    def moe(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, Work ws):
         """Routed experts (sigmoid router + correction bias, top-K, batch union) + shared expert."""
         c = self.cfg
-        cdef int E = c.n_experts, K = c.topk, D = c.hidden, s, k, r, i, e, nr
-        cdef int I = c.moe_inter
-        cdef float[:, ::1] rl = ws["rl"], xg = ws["xg"], yg = ws["yg"]
-        cdef float[:, ::1] g = ws["g"][:S * I].reshape(S, I), u = ws["u"][:S * I].reshape(S, I)
-        cdef float[::1] bias = L.router_bias
-        sel_np = np.empty((S, K), np.int32)
-        w_np = np.empty((S, K), np.float32)
-        cdef int[:, ::1] sel = sel_np
-        cdef float[:, ::1] wts = w_np
-        cdef int bad = -1
+        cdef int E = c.n_experts, K = c.topk, D = c.hidden
+        cdef int s, r, i, j, u, e, nu = 0, bad = -1
+        cdef float[:, ::1] rl = ws.rl, xg = ws.xg, yg = ws.yg, rw = ws.rw
+        cdef int[:, ::1] rsel = ws.rsel
+        cdef int[::1] upos = ws.upos, uniq = ws.uniq, ustart = ws.ustart, urow = ws.urow
+        cdef float[::1] uw = ws.uw, bias = L.router_bias
         cdef float rs = c.routed_scale
         cdef bint norm = c.norm_topk
-        self._mm(L.router, n, S, rl, ws)
+        self._mm(L.router, &n[0, 0], S, &rl[0, 0], ws)
         with nogil:
             for s in range(S):
-                if route_row(&rl[s, 0], &bias[0], E, K, norm, rs, &sel[s, 0], &wts[s, 0]) != 0:
+                if route_row(&rl[s, 0], &bias[0], E, K, norm, rs, &rsel[s, 0], &rw[s, 0]) != 0:
                     bad = s
                     break
+            if bad < 0:
+                nu = batch_union(&rsel[0, 0], &rw[0, 0], S, K, &upos[0], &uniq[0], &ustart[0], &urow[0], &uw[0])
+            for s in range(S):
+                memset(&out[s, 0], 0, D * sizeof(float))
         if bad >= 0:
             raise EngineError(f"layer {L.index}: NaN in the router scores of row {bad} "
                               "(non-finite activations or weights)")
-        # Batch union: each unique expert once, in first-appearance order.
-        union = list(dict.fromkeys(sel_np.reshape(-1).tolist()))
-        out[:S, :] = 0
-        cdef int[::1] rows
-        cdef float[::1] rw
+        # Each unique expert once, in first-appearance order: gather its rows, FFN, scatter-add.
         t0 = time.perf_counter()
         disk0 = self.t_disk
-        for e in union:
-            hit_r, hit_k = np.nonzero(sel_np == e)
-            rows = hit_r.astype(np.int32)
-            rw = w_np[hit_r, hit_k]
-            nr = rows.shape[0]
-            X = self.expert_get(L.index, e)
+        cdef Expert X
+        cdef int nr
+        for u in range(nu):
+            X = self.expert_get(L.index, uniq[u])
+            nr = ustart[u + 1] - ustart[u]
             with nogil:
-                for r in range(nr):
-                    memcpy(&xg[r, 0], &n[rows[r], 0], D * sizeof(float))
-            self._mm(X.gate, xg, nr, g, ws)
-            self._mm(X.up, xg, nr, u, ws)
+                for j in range(nr):
+                    memcpy(&xg[j, 0], &n[urow[ustart[u] + j], 0], D * sizeof(float))
+            self._ffn(X.gate, X.up, X.down, &xg[0, 0], nr, &yg[0, 0], ws)
             with nogil:
-                for r in range(nr):
-                    for i in range(I):
-                        g[r, i] = silu(g[r, i]) * u[r, i]
-            self._mm(X.down, g, nr, yg, ws)
-            with nogil:
-                for r in range(nr):
+                for j in range(nr):
+                    r = urow[ustart[u] + j]
                     for i in range(D):
-                        out[rows[r], i] += rw[r] * yg[r, i]
+                        out[r, i] += uw[ustart[u] + j] * yg[j, i]
         self.t_moe += time.perf_counter() - t0 - (self.t_disk - disk0)
         if L.gate is not None:
-            a = ws["a"]
-            self.dense_mlp(L, n, S, a, ws)
-            np.add(np.asarray(out)[:S], a[:S], out=np.asarray(out)[:S])
+            # Shared expert, added after every routed contribution (HF: experts(x) + shared(x)).
+            self._ffn(L.gate, L.up, L.down, &n[0, 0], S, &yg[0, 0], ws)
+            with nogil:
+                for s in range(S):
+                    for i in range(D):
+                        out[s, i] += yg[s, i]
 
     def layer_forward(self, Layer L, float[:, ::1] x, int S, int pos_base):
         """x[S, D] += attention(norm(x)); x += mlp(norm(x)) (spec §4.2)."""
-        ws = self._work(S, pos_base + S)
-        cdef float[:, ::1] n = ws["n"], a = ws["a"], f = ws["out"]
+        cdef Work ws = self._work(S, pos_base + S)
+        cdef float[:, ::1] n = ws.n, a = ws.a, f = ws.out
         cdef float[::1] w1 = L.in_ln, w2 = L.post_ln
         cdef int s, i, D = self.cfg.hidden
         cdef float eps = self.cfg.eps
@@ -1169,6 +1187,41 @@ cdef int route_row(const float *logit, const float *bias, int E, int K, bint nor
             w[k] = w[k] / (tot + 1e-20)
         w[k] = w[k] * rs
     return 0
+
+
+cdef int batch_union(const int *sel, const float *w, int S, int K, int *upos, int *uniq, int *ustart,
+                     int *urow, float *uw) noexcept nogil:
+    """Group the (row, weight) pairs of a routed batch by expert, experts in first-appearance order
+    (row-major over s, then k). Returns the number of unique experts nu; expert uniq[u] serves rows
+    urow[ustart[u]:ustart[u+1]] with weights uw[...] (rows ascending). upos [E] must be all -1 on
+    entry and is restored to -1."""
+    cdef int s, k, e, u, nu = 0, at
+    cdef int n = S * K
+    for s in range(n):
+        e = sel[s]
+        if upos[e] < 0:
+            upos[e] = nu
+            uniq[nu] = e
+            ustart[nu] = 0
+            nu += 1
+        ustart[upos[e]] += 1
+    at = 0
+    for u in range(nu):           # counts -> start offsets
+        k = ustart[u]
+        ustart[u] = at
+        at += k
+    ustart[nu] = at
+    for s in range(n):            # fill, using ustart as cursors
+        u = upos[sel[s]]
+        urow[ustart[u]] = s // K
+        uw[ustart[u]] = w[s]
+        ustart[u] += 1
+    for u in range(nu - 1, 0, -1):  # cursors -> starts again
+        ustart[u] = ustart[u - 1]
+    ustart[0] = 0
+    for u in range(nu):
+        upos[uniq[u]] = -1
+    return nu
 
 
 cdef inline bint _chosen(const int *sel, int k, int e) noexcept nogil:

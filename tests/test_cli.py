@@ -13,7 +13,7 @@ from conftest import DATA
 def colibri(*args, check=True):
     env = dict(os.environ, OMP_NUM_THREADS="2")
     p = subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
-                       env=env, timeout=300)
+                       env=env, timeout=300, cwd=DATA.parent.parent)   # the repository root, like the README
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\nstdout: {p.stdout}\nstderr: {p.stderr}")
     return p
