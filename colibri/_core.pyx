@@ -194,6 +194,9 @@ cdef inline int act_nblocks(int I, int block) noexcept nogil:
     return (I + block - 1) // block
 
 
+# Multiply-adds below which a matmul (or an attention call) stays on one thread.
+cdef double PARALLEL_MIN_MACS = 65536
+
 cdef enum:
     IDOT_FLOAT = 0      # dequant-on-use float dots (exact up to f32 summation order)
     IDOT_Q8 = 1         # integer dots, activations quantized to int8 (colibrì's IDOT)
@@ -214,6 +217,8 @@ cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
     cdef Py_ssize_t off2
     cdef const uint8_t *row
     cdef float acc
+    # Small products run on one thread: a parallel region costs more than it saves there.
+    cdef int nt = 1 if <double>O * I * S < PARALLEL_MIN_MACS else coli_max_threads()
     if (W.fmt == FMT_I8 or W.fmt == FMT_I4) and idot != IDOT_FLOAT:
         nb = act_nblocks(I, block)
         blk = I if nb == 1 else block
@@ -224,7 +229,7 @@ cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
                 for i in range(I):
                     xr[i] = x[<Py_ssize_t>s * I + i] - xs[<Py_ssize_t>s * nb + i // blk] * xq[<Py_ssize_t>s * I + i]
                 coli_quantize_q8(xr, I, blk, xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb)
-        for o in prange(O, schedule='static', nogil=True):
+        for o in prange(O, schedule='static', nogil=True, num_threads=nt):
             row = W.q + <Py_ssize_t>o * W.rb
             for s in range(S):
                 if W.fmt == FMT_I8:
@@ -239,7 +244,7 @@ cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
                                                    xs + <Py_ssize_t>(S + s) * nb, I, blk)
                 y[<Py_ssize_t>s * O + o] = acc * W.s[o]
         return
-    for o in prange(O, schedule='static', nogil=True):
+    for o in prange(O, schedule='static', nogil=True, num_threads=nt):
         for s in range(S):
             y[<Py_ssize_t>s * O + o] = qt_rowdot_f(W, o, x + <Py_ssize_t>s * I)
 
@@ -811,9 +816,10 @@ cdef class Model:
         cdef float[:, ::1] tbuf = ws.tbuf, kvb
         cdef float scale = c.attn_scale
         cdef QTc *kv_b = &L.kv_b.c
+        cdef int nta = 1 if <double>S * H * T * (Lkv + dr) < PARALLEL_MIN_MACS else coli_max_threads()
         if absorbed:
             with nogil:
-                for s in prange(S * H, schedule='static'):
+                for s in prange(S * H, schedule='static', num_threads=nta):
                     attend_absorbed(kv_b, &q[s // H, 0], &Lc[0, 0], &Rc[0, 0],
                                     sel + (s // H) * topk if sparse else NULL,
                                     nsel[s // H] if sparse else 0,
@@ -825,7 +831,7 @@ cdef class Model:
                 raise EngineError("expanded attention scratch too small")
             self._mm(L.kv_b, &Lc[0, 0], T, &kvb[0, 0], ws)
             with nogil:
-                for s in prange(S * H, schedule='static'):
+                for s in prange(S * H, schedule='static', num_threads=nta):
                     attend_expanded(&q[s // H, 0], &kvb[0, 0], &Rc[0, 0],
                                     sel + (s // H) * topk if sparse else NULL,
                                     nsel[s // H] if sparse else 0,
@@ -867,7 +873,7 @@ cdef class Model:
                 pos = pos_base + s
                 for h in range(nh):
                     rope_interleave(&iq[s, h * hd], dr, pos, &inv[0])
-            for s in prange(S, schedule='dynamic'):
+            for s in prange(S, schedule='dynamic', num_threads=1 if S == 1 else coli_max_threads()):
                 nsel[s] = dsa_topk(&iq[s, 0], &iw[s, 0], &Ic[0, 0], pos_base + s + 1, nh, hd, topk,
                                    qscale, wscale, force, &isc[threadid(), 0], &sel[s, 0])
 
