@@ -72,3 +72,39 @@ def test_step_matches_step_all_rows():
     m.kv_alloc(len(ids))
     rows = [m.step([t], p) for p, t in enumerate(ids)]
     assert np.max(np.abs(np.stack(rows) - batch)) < 1e-4
+
+
+def _write_bf16(tensors, path):
+    """Write float tensors as a BF16 safetensors file (truncating f32 to its upper 16 bits)."""
+    import struct
+    header, blobs, at = {}, [], 0
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name], dtype=np.float32)
+        b = (a.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [at, at + len(b)]}
+        blobs.append(b)
+        at += len(b)
+    hb = json.dumps(header).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)) + hb + b"".join(blobs))
+
+
+def test_bf16_checkpoint_loads(tmp_path):
+    """A bf16 HF checkpoint loads (kept f32 or quantized at load) and equals the f32 checkpoint of
+    the same (bf16-rounded) weights."""
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(str(DATA / "tiny_dsa" / "model.safetensors"))
+    rounded = {k: ((v.view(np.uint32) >> 16) << 16).view(np.float32) for k, v in tensors.items()}
+    (tmp_path / "bf16").mkdir()
+    (tmp_path / "f32").mkdir()
+    for d in ("bf16", "f32"):
+        shutil.copy(DATA / "tiny_dsa" / "config.json", tmp_path / d / "config.json")
+    _write_bf16(tensors, tmp_path / "bf16" / "model.safetensors")
+    save_file(rounded, str(tmp_path / "f32" / "model.safetensors"))
+    ids = _ref("tiny_dsa")["full_ids"]
+    _, a = model_init(tmp_path / "bf16").forward_all(ids)
+    _, b = model_init(tmp_path / "f32").forward_all(ids)
+    np.testing.assert_array_equal(a, b)
+    _, c = model_init(tmp_path / "bf16", dense_bits=8, expert_bits=4).forward_all(ids)
+    assert np.max(np.abs(c - a)) < 1.0
