@@ -181,8 +181,11 @@ cdef inline void qt_addrow(const QTc *W, int row, float c, float *acc) noexcept 
         for i in range(I):
             acc[i] += cs * <float>(<const int8_t *>p)[i]
     elif W.fmt == FMT_I4:
-        for i in range(I):
-            acc[i] += cs * <float>(((p[i >> 1] >> (4 * (i & 1))) & 15) - 8)
+        for i in range(I >> 1):      # byte i: element 2i in the low nibble, 2i+1 in the high one
+            acc[2 * i] += cs * <float>((p[i] & 15) - 8)
+            acc[2 * i + 1] += cs * <float>((p[i] >> 4) - 8)
+        if I & 1:
+            acc[I - 1] += cs * <float>((p[I >> 1] & 15) - 8)
     else:
         for i in range(I):
             acc[i] += cs * <float>(((p[i >> 2] >> (2 * (i & 3))) & 3) - 2)
