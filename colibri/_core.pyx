@@ -735,13 +735,25 @@ cdef class Model:
 
     # -- KV ------------------------------------------------------------------------------------
 
-    def kv_alloc(self, int max_t):
+    def kv_alloc(self, max_t):
         """(Re)allocate the KV cache for max_t positions."""
         c = self.cfg
+        max_t = int(max_t)
+        if max_t > 2 ** 31 - 1:
+            raise ValueError(f"a context of {max_t} positions is beyond any supported size")
         if max_t < 1:
             raise ValueError(f"context of {max_t} positions")
         if c.max_positions and max_t > c.max_positions + 64:
             raise ValueError(f"context of {max_t} positions exceeds max_position_embeddings = {c.max_positions}")
+        per_pos = sum(4 * (c.kv_lora + c.qk_rope + (c.index_hd if (self.has_dsa and c.idx_full[i]) else 0))
+                      for i in range(c.n_layers))
+        try:
+            phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            phys = 0
+        if phys and per_pos * max_t > phys:
+            raise ValueError(f"a KV cache of {max_t} positions needs {per_pos * max_t / 2**30:.1f} GiB, "
+                             f"more than this machine's {phys / 2**30:.1f} GiB of memory")
         self.max_t = max_t
         self.Lc = [np.zeros((max_t, c.kv_lora), np.float32) for _ in range(c.n_layers)]
         self.Rc = [np.zeros((max_t, c.qk_rope), np.float32) for _ in range(c.n_layers)]

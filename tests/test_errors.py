@@ -176,3 +176,9 @@ def test_context_overflow():
         m.step([1, 2, 3, 4, 5], 0)
     with pytest.raises(ValueError, match="KV cache"):
         m.step([1], 4)
+
+
+def test_absurd_context_is_refused_before_allocating():
+    m = model_init(SRC)
+    with pytest.raises(ValueError, match="positions"):
+        m.kv_alloc(2 ** 40)
