@@ -14,10 +14,10 @@ import time
 import numpy as np
 
 from libc.stdint cimport int8_t, uint8_t, int32_t
-from libc.math cimport expf, sqrtf, sqrt, cosf, sinf, isnan, isfinite
+from libc.math cimport expf, sqrtf, sqrt, cosf, sinf, isnan
 from libc.string cimport memcpy, memset
 from libc.stdlib cimport qsort
-from cython.parallel cimport prange, parallel, threadid
+from cython.parallel cimport prange, threadid
 
 from .config import Config, load_config
 from . import st as _st
@@ -644,7 +644,11 @@ cdef class Model:
             for m in ("gate_proj", "up_proj", "down_proj"):
                 name = f"{p}{e}.{m}.weight"
                 if name not in self.st:
-                    raise _st.ContainerError(f"{self.path}: missing tensor {name}")
+                    hint = ""
+                    if f"model.layers.{i}.mlp.experts.gate_up_proj" in self.st:
+                        hint = (" (this checkpoint stores fused 3-D expert tensors: convert it with "
+                                "'python -m colibri convert', which splits them per expert)")
+                    raise _st.ContainerError(f"{self.path}: missing tensor {name}{hint}")
                 info = self.st.info(name)
                 rows, cols = (c.hidden, c.moe_inter) if m == "down_proj" else (c.moe_inter, c.hidden)
                 if name + ".qs" in self.st:
