@@ -1317,3 +1317,154 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.ecache = [dict() for _ in range(cfg.n_layers + 1)]
     m.reset_stats()
     return m
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: dist_build / dist_sample / pick_tok (spec §6.2–§6.4)
+# ---------------------------------------------------------------------------------------------
+
+cdef struct ProbIdx:
+    float p
+    int i
+
+
+cdef int cmp_prob_desc(const void *a, const void *b) noexcept nogil:
+    """Descending probability, ties by ascending token id (a stable, libc-independent order)."""
+    cdef const ProbIdx *x = <const ProbIdx *>a
+    cdef const ProbIdx *y = <const ProbIdx *>b
+    if x.p > y.p:
+        return -1
+    if x.p < y.p:
+        return 1
+    return (x.i > y.i) - (x.i < y.i)
+
+
+cdef class Sampler:
+    """Temperature + nucleus (top-p) sampling with a seedable xorshift64 RNG; greedy when
+    temperature <= 0. ``P`` holds the distribution built by the last ``dist_build``."""
+    cdef public double temperature, top_p
+    cdef unsigned long long rng
+    cdef public object P
+    cdef object _pairs
+
+    def __init__(self, int vocab, double temperature=0.7, double top_p=0.9, seed=None):
+        if not (temperature >= 0 and temperature == temperature):
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not (0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if vocab < 1:
+            raise ValueError("empty vocabulary")
+        self.temperature = temperature
+        self.top_p = top_p
+        self.P = np.zeros(vocab, np.float32)
+        self._pairs = np.zeros(2 * vocab, np.float32)      # ProbIdx scratch
+        self.seed(seed)
+
+    def seed(self, seed=None):
+        """SEED × 0x9E3779B97F4A7C15 + 1 (mod 2^64); without a seed, time and pid."""
+        cdef unsigned long long golden = 0x9E3779B97F4A7C15ULL
+        if seed is None:
+            self.rng = golden ^ ((<unsigned long long>time.monotonic_ns()) << 20) ^ <unsigned long long>os.getpid()
+        else:
+            self.rng = (<unsigned long long>(int(seed) & 0xFFFFFFFFFFFFFFFF)) * golden + 1
+        if self.rng == 0:
+            self.rng = golden
+
+    cpdef double rndu(self):
+        """xorshift64 (13, 7, 17) -> a double in [0, 1) from the top 53 bits."""
+        cdef unsigned long long r = self.rng
+        r ^= r << 13
+        r ^= r >> 7
+        r ^= r << 17
+        self.rng = r
+        return <double>(r >> 11) * (1.0 / 9007199254740992.0)
+
+    def dist_build(self, logits):
+        """P = softmax(logits / T), then restricted to the top-p nucleus and renormalized."""
+        cdef float[::1] lg = np.ascontiguousarray(logits, dtype=np.float32)
+        cdef float[::1] P = self.P
+        cdef int V = P.shape[0]
+        if lg.shape[0] != V:
+            raise ValueError(f"logits of length {lg.shape[0]} for a vocabulary of {V}")
+        cdef float[::1] pairs = self._pairs
+        with nogil:
+            dist_build_c(&lg[0], V, self.temperature, self.top_p, &P[0], <ProbIdx *>&pairs[0])
+
+    def dist_sample(self, int ban=-1):
+        """Draw from P with token ``ban`` removed (its mass renormalized away)."""
+        cdef float[::1] P = self.P
+        cdef int V = P.shape[0], i, last = -1
+        cdef double z = 1.0, u, cum = 0.0
+        if ban >= V:
+            raise ValueError(f"banned token {ban} outside the vocabulary")
+        if ban >= 0:
+            z = 1.0 - P[ban]
+        if z < 1e-12:
+            z = 1e-12
+        u = self.rndu() * z
+        for i in range(V):
+            if i == ban:
+                continue
+            if P[i] > 0:
+                last = i
+            cum += P[i]
+            if cum >= u and P[i] > 0:
+                return i
+        return last if last >= 0 else 0
+
+    def pick_tok(self, logits, int ban=-1):
+        """Greedy argmax (first maximum) when temperature <= 0, else dist_build + dist_sample(ban)."""
+        if self.temperature <= 0:
+            return int(np.argmax(logits))
+        self.dist_build(logits)
+        return self.dist_sample(ban)
+
+
+cdef void dist_build_c(const float *lg, int V, double temp, double top_p, float *P,
+                       ProbIdx *pairs) noexcept nogil:
+    cdef int i, n, keep
+    cdef float mx = lg[0], invt, tau
+    cdef double sum = 0.0, cum, mass
+    for i in range(1, V):
+        if lg[i] > mx:
+            mx = lg[i]
+    invt = <float>(1.0 / (temp if temp > 1e-4 else 1e-4))
+    for i in range(V):
+        P[i] = expf((lg[i] - mx) * invt)
+        sum += P[i]
+    for i in range(V):
+        P[i] = P[i] / <float>sum
+    if not (0 < top_p < 1):
+        return
+    # Exact nucleus without sorting the whole vocabulary: find tau with mass(P >= tau) >= top_p
+    # (then the nucleus, a prefix of the descending order, lies inside {P >= tau}), sort only those.
+    tau = 0.5
+    while True:
+        mass = 0.0
+        for i in range(V):
+            if P[i] >= tau:
+                mass += P[i]
+        if mass >= top_p or tau == 0:
+            break
+        tau = tau * 0.25 if tau > 1e-30 else 0
+    n = 0
+    for i in range(V):
+        if P[i] >= tau:
+            pairs[n].p = P[i]
+            pairs[n].i = i
+            n += 1
+    qsort(pairs, n, sizeof(ProbIdx), cmp_prob_desc)
+    cum = 0.0
+    keep = n
+    for i in range(n):
+        cum += pairs[i].p
+        if cum >= top_p:
+            keep = i + 1
+            break
+    for i in range(V):
+        P[i] = 0
+    sum = 0.0
+    for i in range(keep):
+        sum += pairs[i].p
+    for i in range(keep):
+        P[pairs[i].i] = pairs[i].p / <float>sum
