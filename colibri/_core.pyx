@@ -549,7 +549,15 @@ cdef class Model:
     # KV cache: per layer Lc [max_t, Lkv] (normalized latent), Rc [max_t, dr] (rotated shared key),
     # Ic [max_t, index_hd] (indexer keys, full DSA layers only)
     cdef public object Lc, Rc, Ic
+    cdef public object kv_start                   # per KV row: first valid position (MTP row: -1 = empty)
     cdef public int max_t
+    # MTP head (layer index n_layers): decoder layer + eh_proj [D, 2D], enorm, hnorm, shared_head.norm
+    cdef public Layer mtp
+    cdef public QT eh_proj
+    cdef public object enorm, hnorm, mtp_norm
+    cdef public bint mtp_absorb_prefill           # step() teaches the MTP KV the prompt's pairs
+    # Residual stream (before the final norm) of the last forward: all rows, and the last row
+    cdef public object h_all, hlast
     # Expert cache: per layer {eid: Expert}; LRU by Expert.used
     cdef public object ecache
     cdef long long eclock
@@ -591,13 +599,14 @@ cdef class Model:
             raise _st.ContainerError(f"{self.path}: tensor {name} contains NaN or Inf")
         return np.ascontiguousarray(v, dtype=np.float32)
 
-    def _load_layer(self, int i):
+    def _load_layer(self, int i, sparse=None):
+        """Layer i; for the MTP layer (i = n_layers) pass sparse (it has no DSA indexer)."""
         c = self.cfg
         p = f"model.layers.{i}."
         L = Layer()
         L.index = i
-        L.sparse = c.sparse[i]
-        db = self.dense_bits
+        L.sparse = c.sparse[i] if sparse is None else sparse
+        db = self.dense_bits if i < c.n_layers else max(self.dense_bits, 8)   # MTP: never below int8
         L.in_ln = self._load_vec(p + "input_layernorm.weight", c.hidden)
         L.post_ln = self._load_vec(p + "post_attention_layernorm.weight", c.hidden)
         a = p + "self_attn."
@@ -608,7 +617,7 @@ cdef class Model:
         L.kv_a_ln = self._load_vec(a + "kv_a_layernorm.weight", c.kv_lora)
         L.kv_b = self._load_qt(a + "kv_b_proj.weight", c.n_heads * (c.qk_nope + c.v_head), c.kv_lora, db)
         L.o_proj = self._load_qt(a + "o_proj.weight", c.hidden, c.n_heads * c.v_head, db)
-        L.idx_full = bool(self.has_dsa and c.idx_full[i])
+        L.idx_full = bool(self.has_dsa and i < c.n_layers and c.idx_full[i])
         if L.idx_full:
             ix = a + "indexer."
             L.iwq = self._load_qt(ix + "wq_b.weight", c.index_nh * c.index_hd, c.q_lora, db)
@@ -704,7 +713,8 @@ cdef class Model:
             for k in range(3):
                 w = st.read_f32(names[k])
                 self.bytes_read += st.info(names[k]).nbytes
-                W = self._qt_from_float(w, names[k], shapes[k][0], shapes[k][1], self.expert_bits)
+                bits = self.expert_bits if li < c.n_layers else max(self.expert_bits, 8)   # MTP: >= int8
+                W = self._qt_from_float(w, names[k], shapes[k][0], shapes[k][1], bits)
                 qts.append(W)
                 E.nbytes += W.nbytes
         E.gate, E.up, E.down = qts
@@ -749,8 +759,9 @@ cdef class Model:
             raise ValueError(f"context of {max_t} positions")
         if c.max_positions and max_t > c.max_positions + 64:
             raise ValueError(f"context of {max_t} positions exceeds max_position_embeddings = {c.max_positions}")
+        nrows = c.n_layers + (1 if self.has_mtp else 0)
         per_pos = sum(4 * (c.kv_lora + c.qk_rope + (c.index_hd if (self.has_dsa and c.idx_full[i]) else 0))
-                      for i in range(c.n_layers))
+                      for i in range(c.n_layers)) + (nrows - c.n_layers) * 4 * (c.kv_lora + c.qk_rope)
         try:
             phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
@@ -759,8 +770,9 @@ cdef class Model:
             raise ValueError(f"a KV cache of {max_t} positions needs {per_pos * max_t / 2**30:.1f} GiB, "
                              f"more than this machine's {phys / 2**30:.1f} GiB of memory")
         self.max_t = max_t
-        self.Lc = [np.zeros((max_t, c.kv_lora), np.float32) for _ in range(c.n_layers)]
-        self.Rc = [np.zeros((max_t, c.qk_rope), np.float32) for _ in range(c.n_layers)]
+        self.Lc = [np.zeros((max_t, c.kv_lora), np.float32) for _ in range(nrows)]
+        self.Rc = [np.zeros((max_t, c.qk_rope), np.float32) for _ in range(nrows)]
+        self.kv_start = [0] * c.n_layers + [-1] * (nrows - c.n_layers)
         self.Ic = [np.zeros((max_t, c.index_hd), np.float32) if (self.has_dsa and c.idx_full[i]) else None
                    for i in range(c.n_layers)]
 
@@ -824,7 +836,11 @@ cdef class Model:
                 memcpy(&Rc[pos, 0], &ckv[s, Lkv], dr * sizeof(float))
                 rope_interleave(&Rc[pos, 0], dr, pos, &inv[0])
         # Step 2: DSA lightning indexer (full layers select, shared layers reuse the last selection).
-        cdef bint sparse = self.has_dsa
+        # The MTP layer (index n_layers) has no indexer: it attends densely over its window k0..pos.
+        cdef int k0 = self.kv_start[L.index]
+        if k0 < 0 or k0 > pos_base:
+            raise EngineError(f"layer {L.index}: KV window starts at {k0}, after position {pos_base}")
+        cdef bint sparse = self.has_dsa and L.index < c.n_layers
         if sparse and L.idx_full:
             self._dsa_select(L, n, S, pos_base, ws)
         cdef int *sel = &ws.sel[0, 0] if sparse else NULL
@@ -841,7 +857,7 @@ cdef class Model:
                 for s in prange(S * H, schedule='static', num_threads=nta):
                     attend_absorbed(kv_b, &q[s // H, 0], &Lc[0, 0], &Rc[0, 0],
                                     sel + (s // H) * topk if sparse else NULL,
-                                    nsel[s // H] if sparse else 0,
+                                    nsel[s // H] if sparse else 0, k0,
                                     pos_base + s // H, s % H, H, dn, dr, dv, Lkv, scale,
                                     &tbuf[threadid(), 0], &ctx[s // H, 0])
         else:
@@ -853,7 +869,7 @@ cdef class Model:
                 for s in prange(S * H, schedule='static', num_threads=nta):
                     attend_expanded(&q[s // H, 0], &kvb[0, 0], &Rc[0, 0],
                                     sel + (s // H) * topk if sparse else NULL,
-                                    nsel[s // H] if sparse else 0,
+                                    nsel[s // H] if sparse else 0, k0,
                                     pos_base + s // H, s % H, H, dn, dr, dv, scale,
                                     &tbuf[threadid(), 0], &ctx[s // H, 0])
         self._mm(L.o_proj, &ctx[0, 0], S, &out[0, 0], ws)
@@ -1010,13 +1026,18 @@ cdef class Model:
             self.embed_row(t, x[s])
         self.layers_forward(x, S, pos_base)
         self.forwards += 1
+        self.h_all = x
+        self.hlast = x[S - 1].copy()
         return x
 
     def logits_rows(self, x):
         """lm_head · final_norm(x) for every row of x [S, D] -> [S, V]."""
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        cdef int S = x.shape[0]
-        h = rmsnorm(x, self.final_norm, self.cfg.eps)
+        return self._head(rmsnorm(np.ascontiguousarray(x, dtype=np.float32), self.final_norm, self.cfg.eps))
+
+    def _head(self, h):
+        """lm_head · h for every row of the normalized h [S, D] -> [S, V]."""
+        h = np.ascontiguousarray(h, dtype=np.float32)
+        cdef int S = h.shape[0]
         logits = np.empty((S, self.lm_head.c.O), np.float32)
         xq = np.empty(2 * S * self.cfg.hidden, np.int8)
         xs = np.empty(2 * S * self.cfg.hidden, np.float32)
@@ -1031,9 +1052,13 @@ cdef class Model:
         return logits
 
     def step(self, ids, int pos_base):
-        """Forward ids at pos_base..; logits of the last row [V] (spec §5.2)."""
+        """Forward ids at pos_base..; logits of the last row [V] (spec §5.2). With the MTP head
+        active, the batch's verified pairs (token p+1, hidden p) are absorbed into its KV."""
         x = self._forward(ids, pos_base)
-        return self.logits_rows(x[len(x) - 1:])[0]
+        S = len(x)
+        if self.has_mtp and self.mtp_absorb_prefill and S >= 2:
+            self.mtp_absorb(ids[1:], x[:S - 1], pos_base)
+        return self.logits_rows(x[S - 1:])[0]
 
     def step_all(self, ids, int pos_base):
         """Forward ids at pos_base..; logits of every row [S, V] (spec §5.3)."""
@@ -1065,6 +1090,70 @@ cdef class Model:
             logits = self.step([tok], kv)
             kv += 1
         return out
+
+    # -- speculative decoding ------------------------------------------------------------------
+
+    def _mtp_input(self, int tok, h, bint final_norm):
+        """hx = eh_proj · [enorm(embed(tok)) ; hnorm(h')], h' = model.norm(h) if final_norm else h."""
+        c = self.cfg
+        e = np.empty(c.hidden, np.float32)
+        self.embed_row(tok, e)
+        cat = np.empty((1, 2 * c.hidden), np.float32)
+        cat[0, :c.hidden] = rmsnorm(e[None], self.enorm, c.eps)[0]
+        hh = rmsnorm(np.asarray(h, np.float32)[None], self.final_norm, c.eps) if final_norm else \
+            np.asarray(h, np.float32)[None]
+        cat[0, c.hidden:] = rmsnorm(hh, self.hnorm, c.eps)[0]
+        hx = np.empty((1, c.hidden), np.float32)
+        cdef Work ws = self._work(1, 1)
+        cdef float[:, ::1] cv = cat, hv = hx
+        self._mm(self.eh_proj, &cv[0, 0], 1, &hv[0, 0], ws)
+        return hx
+
+    def mtp_draft(self, int next_tok, int kv, int G):
+        """Native MTP chain (spec §6.6): up to G draft tokens for positions kv+1.. given next_tok
+        (the token chosen for position kv) and hlast (the residual at kv-1). Drafts are argmax."""
+        if not self.has_mtp or G < 1:
+            return []
+        cdef int p = kv - 1, g, pos
+        if p < 0:
+            return []
+        c = self.cfg
+        NL = c.n_layers
+        if self.kv_start[NL] < 0 or self.kv_start[NL] > p:
+            self.kv_start[NL] = p
+        h = self.hlast
+        tok = next_tok
+        drafts = []
+        for g in range(G):
+            pos = p + g
+            if pos + 2 >= self.max_t:
+                break
+            hx = self._mtp_input(tok, h, g == 0)
+            self.layer_forward(self.mtp, hx, 1, pos)
+            logits = self._mtp_logits(hx)
+            tok = int(np.argmax(logits[0]))
+            drafts.append(tok)
+            h = hx[0]
+        return drafts
+
+    def _mtp_logits(self, hx):
+        """Draft logits: lm_head · shared_head.norm(hx)."""
+        return self._head(rmsnorm(hx, self.mtp_norm, self.cfg.eps))
+
+    def mtp_absorb(self, next_ids, x, int pos_base):
+        """Teach the MTP KV the verified pairs (token at p+1, residual at p) for
+        p = pos_base .. pos_base+S-1 in one batched pass through the MTP layer (spec §6.7)."""
+        c = self.cfg
+        NL = c.n_layers
+        cdef int S = len(next_ids), i
+        if S < 1:
+            return
+        if self.kv_start[NL] < 0 or self.kv_start[NL] > pos_base:
+            self.kv_start[NL] = pos_base
+        hx = np.empty((S, c.hidden), np.float32)
+        for i in range(S):
+            hx[i] = self._mtp_input(int(next_ids[i]), x[i], True)[0]
+        self.layer_forward(self.mtp, hx, S, pos_base)
 
     def reset_stats(self):
         self.expert_hits = self.expert_misses = self.bytes_read = self.forwards = 0
@@ -1102,25 +1191,26 @@ cdef inline void softmax_inplace(float *sc, int n) noexcept nogil:
 
 
 cdef void attend_expanded(const float *q, const float *kvb, const float *Rc, const int *sel, int nsel,
-                          int pos, int h, int H, int dn, int dr, int dv, float scale,
+                          int k0, int pos, int h, int H, int dn, int dr, int dv, float scale,
                           float *tbuf, float *ctx) noexcept nogil:
     """One (row, head) of expanded attention: keys/values from kvb [T, H·(dn+dv)] (kv_b applied to
-    every cached latent) plus the shared rotated key Rc [T, dr]."""
-    cdef int dq = dn + dr, W = H * (dn + dv), j, t, i, nk = nsel if nsel > 0 else pos + 1
+    every cached latent) plus the shared rotated key Rc [T, dr]. Keys: the DSA selection sel[:nsel]
+    when nsel > 0, else the causal window k0..pos."""
+    cdef int dq = dn + dr, W = H * (dn + dv), j, t, i, nk = nsel if nsel > 0 else pos + 1 - k0
     cdef const float *qh = q + <Py_ssize_t>h * dq
     cdef float *sc = tbuf
     cdef float *o = ctx + <Py_ssize_t>h * dv
     cdef const float *row
     cdef float p
     for j in range(nk):
-        t = sel[j] if nsel > 0 else j
+        t = sel[j] if nsel > 0 else k0 + j
         row = kvb + <Py_ssize_t>t * W + h * (dn + dv)
         sc[j] = (coli_dot_f32(qh, row, dn) + coli_dot_f32(qh + dn, Rc + <Py_ssize_t>t * dr, dr)) * scale
     softmax_inplace(sc, nk)
     for i in range(dv):
         o[i] = 0.0
     for j in range(nk):
-        t = sel[j] if nsel > 0 else j
+        t = sel[j] if nsel > 0 else k0 + j
         row = kvb + <Py_ssize_t>t * W + h * (dn + dv) + dn
         p = sc[j]
         for i in range(dv):
@@ -1128,11 +1218,11 @@ cdef void attend_expanded(const float *q, const float *kvb, const float *Rc, con
 
 
 cdef void attend_absorbed(const QTc *kv_b, const float *q, const float *Lc, const float *Rc,
-                          const int *sel, int nsel, int pos, int h, int H, int dn, int dr, int dv,
+                          const int *sel, int nsel, int k0, int pos, int h, int H, int dn, int dr, int dv,
                           int Lkv, float scale, float *tbuf, float *ctx) noexcept nogil:
     """One (row, head) of absorbed attention, entirely in the kv_lora latent space:
     qabs = W_k,hᵀ q_nope; score_t = qabs·Lc_t + q_rope·Rc_t; ctx = W_v,h (Σ_t p_t Lc_t)."""
-    cdef int dq = dn + dr, j, t, d, i, nk = nsel if nsel > 0 else pos + 1
+    cdef int dq = dn + dr, j, t, d, i, nk = nsel if nsel > 0 else pos + 1 - k0
     cdef const float *qh = q + <Py_ssize_t>h * dq
     cdef float *qabs = tbuf
     cdef float *clat = tbuf + Lkv
@@ -1146,12 +1236,12 @@ cdef void attend_absorbed(const QTc *kv_b, const float *q, const float *Lc, cons
     for d in range(dn):
         qt_addrow(kv_b, base + d, qh[d], qabs)
     for j in range(nk):
-        t = sel[j] if nsel > 0 else j
+        t = sel[j] if nsel > 0 else k0 + j
         sc[j] = (coli_dot_f32(qabs, Lc + <Py_ssize_t>t * Lkv, Lkv) +
                  coli_dot_f32(qh + dn, Rc + <Py_ssize_t>t * dr, dr)) * scale
     softmax_inplace(sc, nk)
     for j in range(nk):
-        t = sel[j] if nsel > 0 else j
+        t = sel[j] if nsel > 0 else k0 + j
         p = sc[j]
         lrow = Lc + <Py_ssize_t>t * Lkv
         for i in range(Lkv):
@@ -1261,8 +1351,36 @@ cdef inline bint _chosen(const int *sel, int k, int e) noexcept nogil:
 # model_init
 # ---------------------------------------------------------------------------------------------
 
+MTP_REQUIRED = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
+                "input_layernorm.weight", "post_attention_layernorm.weight",
+                "self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+                "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight")
+
+
+def _has_mtp_tensors(st, int n_layers):
+    """MTP head present: the layer after the last one has the MTP tensors (any expert count;
+    glm.c's check for expert 255 is a bug, spec §11.33)."""
+    p = f"model.layers.{n_layers}."
+    return all(p + name in st for name in MTP_REQUIRED)
+
+
+def _load_mtp(Model m):
+    c = m.cfg
+    NL = c.n_layers
+    p = f"model.layers.{NL}."
+    sparse = p + "mlp.gate.weight" in m.st
+    m.mtp = m._load_layer(NL, sparse=sparse)
+    # runtime quantization of a float MTP head: never below int8 (an int4 head drafts badly)
+    bits = m.dense_bits if m.dense_bits >= 8 else 8
+    m.eh_proj = m._load_qt(p + "eh_proj.weight", c.hidden, 2 * c.hidden, bits)
+    m.enorm = m._load_vec(p + "enorm.weight", c.hidden)
+    m.hnorm = m._load_vec(p + "hnorm.weight", c.hidden)
+    m.mtp_norm = m._load_vec(p + "shared_head.norm.weight", c.hidden)
+
+
 def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=32, int idot=IDOT_Q8X2,
-               int act_block=0, int absorb=-1, bint dsa_force=False, bint dsa=True, isa=None, threads=0):
+               int act_block=0, int absorb=-1, bint dsa_force=False, bint dsa=True, bint mtp=True,
+               isa=None, threads=0):
     """Load a model directory (our container or a plain HF checkpoint).
 
     cache_experts: routed experts kept per layer in the LRU cache (0 = all of them).
@@ -1313,7 +1431,9 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
         f"model.layers.{i}.self_attn.indexer.wq_b.weight" in m.st
         for i in range(cfg.n_layers) if cfg.idx_full[i]))
     m.layers = [m._load_layer(i) for i in range(cfg.n_layers)]
-    m.has_mtp = f"model.layers.{cfg.n_layers}.eh_proj.weight" in m.st
+    m.has_mtp = bool(mtp) and _has_mtp_tensors(m.st, cfg.n_layers)
+    if m.has_mtp:
+        _load_mtp(m)
     m.ecache = [dict() for _ in range(cfg.n_layers + 1)]
     m.reset_stats()
     return m
