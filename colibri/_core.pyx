@@ -562,7 +562,7 @@ cdef class Model:
     cdef public object ecache
     cdef long long eclock
     # Counters
-    cdef public long long expert_hits, expert_misses, bytes_read, forwards
+    cdef public long long expert_hits, expert_misses, bytes_read, forwards, decode_forwards, emitted
     cdef public double t_disk, t_attn, t_moe
     # Scratch
     cdef Work _ws
@@ -792,9 +792,9 @@ cdef class Model:
 
     cdef int _mm(self, QT W, const float *x, int S, float *y, Work ws) except -1:
         """y[S, O] = x[S, I] · Wᵀ with the GIL released; the scratch must hold S rows of W's width."""
-        if S > ws.S or W.c.I > ws.widest:
-            raise EngineError(f"matmul of {S} rows x {W.c.I} inputs exceeds the scratch "
-                              f"({ws.S} rows x {ws.widest})")
+        if 2 * <Py_ssize_t>S * W.c.I > ws.xq.shape[0] or W.c.I > ws.xr.shape[0]:
+            raise EngineError(f"matmul of {S} rows x {W.c.I} inputs exceeds the activation scratch "
+                              f"({ws.xq.shape[0] // 2} values)")
         with nogil:
             matmul_qt(&W.c, x, S, y, &ws.xq[0], &ws.xs[0], &ws.xr[0], self.act_block, self.idot)
         return 0
@@ -1155,8 +1155,86 @@ cdef class Model:
             hx[i] = self._mtp_input(int(next_ids[i]), x[i], True)[0]
         self.layer_forward(self.mtp, hx, S, pos_base)
 
+    def spec_decode(self, ids, int kv, int n_new, logits, Sampler sampler, policy=None, stops=(), emit=None):
+        """Generate up to n_new tokens with speculative decoding (spec §6.8).
+
+        ids: the token history (a list; ids[:kv] are in the KV cache and are extended in place);
+        logits: the distribution for position kv-1. Each iteration picks a token, asks for drafts
+        (MTP chain when the model has a head, else n-gram lookup) at the depth the policy chooses,
+        verifies [token, drafts] in one batched forward and accepts the longest agreeing prefix:
+        greedy by exact argmax; sampled by the rejection rule for a point-mass draft (accept with
+        probability p(draft), else resample from p with the draft banned), which is lossless.
+        Returns (emitted tokens, kv). Stops (not emitted) on a token in ``stops``."""
+        from .draft import DraftPolicy
+        if policy is None:
+            policy = DraftPolicy(0)
+        if len(ids) < kv:
+            raise ValueError("history shorter than the KV position")
+        del ids[kv:]
+        stops = set(stops)
+        cdef bint greedy = sampler.temperature <= 0
+        cdef int carry_ban = -1, g, k, nxt, d
+        out = []
+        self.mtp_absorb_prefill = False
+        while len(out) < n_new:
+            nxt = sampler.pick_tok(logits, carry_ban)
+            carry_ban = -1
+            if nxt in stops:
+                break
+            out.append(nxt)
+            ids.append(nxt)
+            if emit is not None:
+                emit(nxt)
+            if len(out) >= n_new:
+                break                     # the last token is not forwarded (spec §11.20)
+            t0 = time.perf_counter()
+            d = policy.depth()
+            drafts = []
+            if d > 0:
+                drafts = self.mtp_draft(nxt, kv, d) if self.has_mtp else ngram_draft(ids, d)
+            proposed = len(drafts)
+            g = min(len(drafts), n_new - len(out), self.max_t - kv - 2)
+            drafts = drafts[:max(g, 0)]
+            g = len(drafts)
+            if kv + 1 + g > self.max_t:
+                raise ValueError(f"position {kv + g} is beyond the KV cache of {self.max_t} positions")
+            lo = self.step_all([nxt] + drafts, kv)
+            h_all = self.h_all
+            k = 0
+            done = False
+            while k < g and len(out) < n_new:
+                if greedy:
+                    ok = int(np.argmax(lo[k])) == drafts[k]
+                else:
+                    sampler.dist_build(lo[k])
+                    ok = sampler.rndu() < sampler.P[drafts[k]]
+                if not ok:
+                    if not greedy:
+                        carry_ban = drafts[k]
+                    break
+                if drafts[k] in stops:
+                    done = True
+                    break
+                out.append(drafts[k])
+                ids.append(drafts[k])
+                if emit is not None:
+                    emit(drafts[k])
+                k += 1
+            if self.has_mtp and k >= 1:
+                self.mtp_absorb(ids[kv + 1:kv + 1 + k], h_all[:k], kv)
+            self.hlast = np.array(h_all[k], copy=True)
+            kv += 1 + k
+            logits = lo[k]
+            policy.record(d, proposed, k, time.perf_counter() - t0)
+            self.decode_forwards += 1
+            if done:
+                break
+        self.emitted += len(out)
+        return out, kv
+
     def reset_stats(self):
         self.expert_hits = self.expert_misses = self.bytes_read = self.forwards = 0
+        self.decode_forwards = self.emitted = 0
         self.t_disk = self.t_attn = self.t_moe = 0.0
 
     def resident_bytes(self):
@@ -1437,6 +1515,23 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.ecache = [dict() for _ in range(cfg.n_layers + 1)]
     m.reset_stats()
     return m
+
+
+# ---------------------------------------------------------------------------------------------
+# n-gram drafts (spec §6.5)
+# ---------------------------------------------------------------------------------------------
+
+def ngram_draft(ids, int G):
+    """Prompt lookup: find the most recent earlier occurrence of the last two tokens and propose
+    the (at most G) tokens that followed it."""
+    cdef int n = len(ids), i
+    if n < 4 or G < 1:
+        return []
+    a, b = ids[n - 2], ids[n - 1]
+    for i in range(n - 3, 0, -1):
+        if ids[i - 1] == a and ids[i] == b:
+            return list(ids[i + 1:min(i + G, n - 1) + 1])
+    return []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling temperature; 0 = greedy (default 0.7)")
     r.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
     r.add_argument("--seed", type=int, default=None, help="RNG seed for sampling")
+    r.add_argument("--draft", default="auto", metavar="N|auto",
+                   help="speculative draft depth: auto (default) picks the depth, 0 included, that "
+                        "minimises wall time per token; N forces a depth (0 = off). Drafts come from "
+                        "the model's MTP head, else from n-gram prompt lookup")
     r.add_argument("--stats-json", default=None, metavar="FILE", help="write run statistics as JSON")
     r.add_argument("--quiet", "-q", action="store_true", help="print only the generated text")
     _engine_options(r)

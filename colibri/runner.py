@@ -37,41 +37,19 @@ def load_tokenizer(model_dir: str):
     return Tokenizer.from_file(path)
 
 
-class Sampler:
-    """Greedy when temperature <= 0, else temperature + nucleus (top-p) sampling."""
-
-    def __init__(self, temperature: float, top_p: float, seed):
-        if not temperature >= 0:
-            raise ValueError(f"--temperature must be >= 0, got {temperature}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
-        self.temperature, self.top_p = temperature, top_p
-        self.rng = np.random.default_rng(seed)
-
-    def __call__(self, logits) -> int:
-        if self.temperature <= 0:
-            return int(np.argmax(logits))
-        z = (logits.astype(np.float64) - float(np.max(logits))) / max(self.temperature, 1e-4)
-        p = np.exp(z)
-        p /= p.sum()
-        if self.top_p < 1:
-            order = np.argsort(-p, kind="stable")
-            keep = int(np.searchsorted(np.cumsum(p[order]), self.top_p)) + 1
-            mask = np.zeros_like(p)
-            mask[order[:keep]] = 1
-            p = p * mask
-            p /= p.sum()
-        return int(self.rng.choice(len(p), p=p))
-
-
 def run(args) -> int:
     from .cli import engine_kwargs
-    from ._core import model_init
+    from ._core import Sampler, model_init
+    from .draft import MAX_AUTO_DEPTH, DraftPolicy, parse_draft
     if args.model is None:
         raise ValueError("no --model given (the embedded default model is not available in this build)")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    sampler = Sampler(args.temperature, args.top_p, args.seed)
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    draft_mode = parse_draft(args.draft)
     t_load = time.perf_counter()
     model = model_init(args.model, **engine_kwargs(args))
     t_load = time.perf_counter() - t_load
@@ -87,32 +65,29 @@ def run(args) -> int:
             raise ValueError("the prompt encodes to no tokens")
     else:
         raise ValueError("give a PROMPT or --prompt-ids")
-    if cfg.max_positions and len(ids) + args.max_tokens > cfg.max_positions:
+    max_depth = draft_mode if isinstance(draft_mode, int) else MAX_AUTO_DEPTH
+    need = len(ids) + args.max_tokens + max_depth + 2
+    if cfg.max_positions and need > cfg.max_positions:
         raise ValueError(f"prompt ({len(ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the model's "
                          f"context of {cfg.max_positions} positions")
+    sampler = Sampler(cfg.vocab, args.temperature, args.top_p, args.seed)
+    policy = DraftPolicy(draft_mode)
     stops = set(cfg.eos_ids)
-    out_ids = []
     printer = _Printer(tok, args.quiet)
     if not args.quiet:
         print(f"[colibri] {args.model}: {cfg.n_layers} layers, {cfg.n_experts} experts (top-{cfg.topk}), "
-              f"loaded in {t_load:.2f}s; prompt {len(ids)} tokens", file=sys.stderr)
-    model.kv_alloc(len(ids) + args.max_tokens + 2)
+              f"{'MTP head' if model.has_mtp else 'no MTP head'}, loaded in {t_load:.2f}s; "
+              f"prompt {len(ids)} tokens", file=sys.stderr)
+    model.kv_alloc(need)
     model.reset_stats()
+    model.mtp_absorb_prefill = model.has_mtp and policy.max_depth > 0
     t0 = time.perf_counter()
-    logits = model.step(ids, 0)
+    history = list(ids)
+    logits = model.step(history, 0)
     t_prefill = time.perf_counter() - t0
-    kv = len(ids)
     t1 = time.perf_counter()
-    while len(out_ids) < args.max_tokens:
-        nxt = sampler(logits)
-        if nxt in stops:
-            break
-        out_ids.append(nxt)
-        printer.emit(nxt)
-        if len(out_ids) >= args.max_tokens:
-            break
-        logits = model.step([nxt], kv)
-        kv += 1
+    out_ids, _ = model.spec_decode(history, len(ids), args.max_tokens, logits, sampler, policy,
+                                   stops=stops, emit=printer.emit)
     t_decode = time.perf_counter() - t1
     printer.finish()
     n_dec = len(out_ids)
@@ -130,7 +105,10 @@ def run(args) -> int:
         "peak_rss_bytes": peak_rss_bytes(),
         "load_s": t_load,
         "resident_bytes": int(model.resident_bytes()),
+        "decode_forwards": int(model.decode_forwards),
+        "tokens_per_forward": (n_dec / model.decode_forwards) if model.decode_forwards else float(n_dec),
     }
+    stats.update(policy.stats())
     if not args.quiet:
         looks = stats["expert_hits"] + stats["expert_misses"]
         hit = 100.0 * stats["expert_hits"] / looks if looks else 0.0
@@ -138,6 +116,10 @@ def run(args) -> int:
               f"decode {n_dec} tok in {t_decode:.3f}s ({stats['decode_tok_s']:.1f} tok/s) | "
               f"expert hit {hit:.1f}% ({stats['expert_misses']} loads, {stats['bytes_read'] / 1e6:.1f} MB read) | "
               f"peak RSS {stats['peak_rss_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
+        print(f"speculation: {stats['tokens_per_forward']:.2f} tokens/forward | drafts proposed "
+              f"{stats['drafts_proposed']}, accepted {stats['drafts_accepted']} "
+              f"({100 * stats['acceptance']:.1f}%){' | drafting turned off' if stats['draft_off'] else ''}",
+              file=sys.stderr)
     if args.stats_json:
         with open(args.stats_json, "w") as f:
             json.dump(stats, f)

@@ -31,7 +31,7 @@ def test_run_greedy_with_stats(tmp_path):
     stats = tmp_path / "stats.json"
     prompt = ",".join(map(str, ref["prompt_ids"]))
     p = colibri("run", "--model", DATA / "tiny_dense", "--prompt-ids", prompt, "--max-tokens", 20,
-                "--temperature", 0, "--cache-experts", 2, "--stats-json", stats)
+                "--temperature", 0, "--cache-experts", 2, "--stats-json", stats, "--draft", 0)
     s = json.loads(stats.read_text())
     assert s["tokens"] == ref["full_ids"][len(ref["prompt_ids"]):]
     assert p.stdout.split() == [str(t) for t in s["tokens"]]
