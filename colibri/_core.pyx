@@ -444,6 +444,10 @@ class EngineError(RuntimeError):
     """A runtime failure of the engine that names what is at fault (weights, routing, context)."""
 
 
+# absorb = auto: batches up to this many rows (decode, and a verify of 1 + up to 16 drafts) use the
+# absorbed path, longer ones (prefill) the expanded one, so decode and verify compute the same function.
+ABSORB_MAX_ROWS = 17
+
 # NOTE(HF): transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps 1e-6;
 # glm.c uses rms_norm_eps (1e-5) there (spec §11.7). We follow transformers.
 LORA_NORM_EPS = 1e-6
@@ -511,7 +515,7 @@ cdef class Work:
         inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)
         self.S, self.T = S, T
         # widest matmul input; the expanded kv_b matmul runs over T rows of kv_lora
-        self.widest = max(c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter)
+        self.widest = max(2 * c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter)   # 2D: eh_proj
         rows = max(S, T) if expanded else S
         self.n, self.a, self.out = f(S, c.hidden), f(S, c.hidden), f(S, c.hidden)
         self.qr, self.q = f(S, c.q_lora), f(S, c.n_heads * c.qk_head)
@@ -520,7 +524,7 @@ cdef class Work:
         self.xg, self.yg = f(S, c.hidden), f(S, c.hidden)
         self.rl = f(S, c.n_experts)
         self.rsel, self.rw = i32(S, c.topk), f(S, c.topk)
-        self.upos, self.uniq = np.full(c.n_experts, -1, np.int32), i32(S * c.topk)
+        self.upos, self.uniq = i32(c.n_experts), i32(S * c.topk)
         self.ustart, self.urow, self.uw = i32(S * c.topk + 1), i32(S * c.topk), f(S * c.topk)
         self.kvb = f(T, c.n_heads * (c.qk_nope + c.v_head)) if expanded else f(1, 1)
         self.tbuf = f(nt, 2 * c.kv_lora + T)
@@ -558,6 +562,7 @@ cdef class Model:
     cdef public bint mtp_absorb_prefill           # step() teaches the MTP KV the prompt's pairs
     # Residual stream (before the final norm) of the last forward: all rows, and the last row
     cdef public object h_all, hlast
+    cdef public object mtp_logits                 # draft logits of the last mtp_draft chain
     # Expert cache: per layer {eid: Expert}; LRU by Expert.used
     cdef public object ecache
     cdef long long eclock
@@ -847,7 +852,7 @@ cdef class Model:
         cdef int *nsel = &ws.nsel[0] if sparse else NULL
         cdef int topk = ws.sel.shape[1]
         # Step 3: attention, absorbed (latent space) or expanded (kv_b applied to every cached row).
-        cdef bint absorbed = self.absorb == 1 or (self.absorb == -1 and S <= 4)
+        cdef bint absorbed = self.absorb == 1 or (self.absorb == -1 and S <= ABSORB_MAX_ROWS)
         cdef float[:, ::1] tbuf = ws.tbuf, kvb
         cdef float scale = c.attn_scale
         cdef QTc *kv_b = &L.kv_b.c
@@ -949,13 +954,13 @@ cdef class Model:
                     bad = s
                     break
             if bad < 0:
-                nu = batch_union(&rsel[0, 0], &rw[0, 0], S, K, &upos[0], &uniq[0], &ustart[0], &urow[0], &uw[0])
+                nu = batch_union(&rsel[0, 0], &rw[0, 0], S, K, E, &upos[0], &uniq[0], &ustart[0], &urow[0], &uw[0])
             for s in range(S):
                 memset(&out[s, 0], 0, D * sizeof(float))
         if bad >= 0:
             raise EngineError(f"layer {L.index}: NaN in the router scores of row {bad} "
                               "(non-finite activations or weights)")
-        # Each unique expert once, in first-appearance order: gather its rows, FFN, scatter-add.
+        # Each unique expert once, in ascending id: gather its rows, FFN, scatter-add.
         t0 = time.perf_counter()
         disk0 = self.t_disk
         cdef Expert X
@@ -1124,6 +1129,7 @@ cdef class Model:
         h = self.hlast
         tok = next_tok
         drafts = []
+        self.mtp_logits = []
         for g in range(G):
             pos = p + g
             if pos + 2 >= self.max_t:
@@ -1131,6 +1137,7 @@ cdef class Model:
             hx = self._mtp_input(tok, h, g == 0)
             self.layer_forward(self.mtp, hx, 1, pos)
             logits = self._mtp_logits(hx)
+            self.mtp_logits.append(logits[0])
             tok = int(np.argmax(logits[0]))
             drafts.append(tok)
             h = hx[0]
@@ -1382,38 +1389,34 @@ cdef int route_row(const float *logit, const float *bias, int E, int K, bint nor
     return 0
 
 
-cdef int batch_union(const int *sel, const float *w, int S, int K, int *upos, int *uniq, int *ustart,
-                     int *urow, float *uw) noexcept nogil:
-    """Group the (row, weight) pairs of a routed batch by expert, experts in first-appearance order
-    (row-major over s, then k). Returns the number of unique experts nu; expert uniq[u] serves rows
-    urow[ustart[u]:ustart[u+1]] with weights uw[...] (rows ascending). upos [E] must be all -1 on
-    entry and is restored to -1."""
-    cdef int s, k, e, u, nu = 0, at
-    cdef int n = S * K
+cdef int batch_union(const int *sel, const float *w, int S, int K, int E, int *ucount, int *uniq,
+                     int *ustart, int *urow, float *uw) noexcept nogil:
+    """Group the (row, weight) pairs of a routed batch by expert, experts in ascending id (as HF's
+    index_add loop does). Each row then accumulates its experts in ascending id whatever the other
+    rows of the batch are, so a batched verify computes bit for bit what single-row decode does.
+    Returns the number of unique experts nu; expert uniq[u] serves rows urow[ustart[u]:ustart[u+1]]
+    (ascending) with weights uw[...]. ucount [E] is scratch."""
+    cdef int s, e, u, nu = 0, at = 0, n = S * K
+    for e in range(E):
+        ucount[e] = 0
     for s in range(n):
-        e = sel[s]
-        if upos[e] < 0:
-            upos[e] = nu
+        ucount[sel[s]] += 1
+    for e in range(E):                  # counts -> start offsets; ucount becomes e -> slot u
+        if ucount[e] > 0:
             uniq[nu] = e
-            ustart[nu] = 0
+            ustart[nu] = at
+            at += ucount[e]
+            ucount[e] = nu
             nu += 1
-        ustart[upos[e]] += 1
-    at = 0
-    for u in range(nu):           # counts -> start offsets
-        k = ustart[u]
-        ustart[u] = at
-        at += k
     ustart[nu] = at
-    for s in range(n):            # fill, using ustart as cursors
-        u = upos[sel[s]]
+    for s in range(n):                  # fill, using ustart as cursors
+        u = ucount[sel[s]]
         urow[ustart[u]] = s // K
         uw[ustart[u]] = w[s]
         ustart[u] += 1
-    for u in range(nu - 1, 0, -1):  # cursors -> starts again
+    for u in range(nu - 1, 0, -1):      # cursors -> starts again
         ustart[u] = ustart[u - 1]
     ustart[0] = 0
-    for u in range(nu):
-        upos[uniq[u]] = -1
     return nu
 
 
@@ -1468,7 +1471,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
         residual (default, near-float accuracy), 1 = plain per-block Q8 activations (colibrì's IDOT,
         fastest), 0 = float dequant-on-use dots.
     act_block: activation quantization block (0 = one scale per row, else a multiple of 64).
-    absorb: -1 auto (absorbed attention when a batch has <= 4 rows), 0 never, 1 always.
+    absorb: -1 auto (absorbed attention for batches of <= 17 rows: decode and verify), 0 never, 1 always.
     """
     path = os.fspath(path)
     cfg = load_config(path)

@@ -13,12 +13,15 @@ import pytest
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 F32_MODELS = ["tiny_dense", "tiny_dsa"]
-ALL_MODELS = F32_MODELS + ["tiny_dense_fp8"]
+ALL_MODELS = F32_MODELS + ["tiny_dense_fp8", "tiny_mtp"]
 REF_FILES = {
     "tiny_dense": ["ref.json", "ref_long.json", "ref_int8.json", "ref_int4.json"],
     "tiny_dsa": ["ref.json", "ref_long.json", "ref_int8.json", "ref_int4.json"],
     "tiny_dense_fp8": ["ref.json"],
+    "tiny_mtp": ["ref.json"],  # plus mtp_ref.json (own checks at the end)
 }
+MTP_DEPTH = 4
+MTP_EXTRA = {"eh_proj.weight": "2D", "enorm.weight": "D", "hnorm.weight": "D", "shared_head.norm.weight": "D"}
 PROMPT = [3, 14, 159, 26, 53, 58, 200, 11, 77, 240, 5, 99]
 N_NEW = 20
 LONG_PROMPT_LEN = 16
@@ -66,6 +69,7 @@ MODEL_CFG = {
                  "indexer_types": ["full", "full", "shared", "full", "shared"]},
 }
 MODEL_CFG["tiny_dense_fp8"] = MODEL_CFG["tiny_dense"]
+MODEL_CFG["tiny_mtp"] = MODEL_CFG["tiny_dense"]
 DTYPE_SIZE = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1}
 EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -407,3 +411,175 @@ def test_fp8_ref_differs_from_f32(refs):
     a, b = refs("tiny_dense", "ref.json"), refs("tiny_dense_fp8", "ref.json")
     assert a["prompt_ids"] == b["prompt_ids"] and a["seed"] == b["seed"]
     assert a["logits"][0] != b["logits"][0]
+
+
+# ----------------------------------------------------------------------------------------------
+# tiny_mtp: native MTP head saved as model.layers.{num_hidden_layers}.* + mtp_ref.json
+# ----------------------------------------------------------------------------------------------
+
+def mtp_expected_shapes(cfg):
+    """Tensors of the MTP layer NL: a MoE decoder layer without indexer, plus the MTP extras."""
+    NL, D = cfg["num_hidden_layers"], cfg["hidden_size"]
+    ext = dict(cfg, num_hidden_layers=NL + 1, indexer_types=cfg["indexer_types"] + ["shared"],
+               mlp_layer_types=cfg["mlp_layer_types"] + ["sparse"])
+    pre = f"model.layers.{NL}."
+    s = {n: v for n, v in expected_shapes(ext).items() if n.startswith(pre)}
+    for n, kind in MTP_EXTRA.items():
+        s[pre + n] = [D, 2 * D] if kind == "2D" else [D]
+    return s
+
+
+def rmsnorm(x, w, eps):
+    r = 1.0 / math.sqrt(sum(v * v for v in x) / len(x) + eps)
+    return [v * r * g for v, g in zip(x, w)]
+
+
+def matvec(w, rows, cols, x):
+    assert len(w) == rows * cols and len(x) == cols
+    return [sum(w[r * cols + c] * x[c] for c in range(cols)) for r in range(rows)]
+
+
+def test_mtp_files_and_config():
+    d = os.path.join(DATA, "tiny_mtp")
+    for fn in ("config.json", "model.safetensors", "ref.json", "mtp_ref.json"):
+        assert os.path.isfile(os.path.join(d, fn)), fn
+    cfg = load_json("tiny_mtp", "config.json")
+    assert cfg["num_hidden_layers"] == 5 and cfg["num_nextn_predict_layers"] == 1
+    assert len(cfg["indexer_types"]) == len(cfg["mlp_layer_types"]) == 5
+    # same architecture as tiny_dense; the only config difference is the MTP layer count
+    base = load_json("tiny_dense", "config.json")
+    assert {k: v for k, v in cfg.items() if k != "num_nextn_predict_layers"} == base
+
+
+def test_mtp_safetensors():
+    cfg = load_json("tiny_mtp", "config.json")
+    path = os.path.join(DATA, "tiny_mtp", "model.safetensors")
+    hdr, base = st_header(path)
+    check_layout(path, hdr, base)
+    main, mtp = expected_shapes(cfg), mtp_expected_shapes(cfg)
+    want = {**main, **mtp}
+    assert len(want) == len(main) + len(mtp)
+    assert set(hdr) == set(want), sorted(set(hdr) ^ set(want))
+    for n, t in hdr.items():
+        assert t["dtype"] == "F32", n
+        assert t["shape"] == want[n], (n, t["shape"], want[n])
+    NL, E = cfg["num_hidden_layers"], cfg["n_routed_experts"]
+    pre = f"model.layers.{NL}."
+    assert not [n for n in hdr if n.startswith(pre + "self_attn.indexer.")]
+    assert not [n for n in hdr if n.startswith(f"model.layers.{NL + 1}.")]
+    exp = {(int(m.group(2)), m.group(3)) for m in map(EXPERT_RE.match, hdr) if m and int(m.group(1)) == NL}
+    assert exp == {(e, p) for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")}
+    assert pre + "mlp.gate.weight" in hdr and pre + "mlp.shared_experts.down_proj.weight" in hdr
+    lin = [f32(-0.1 + 0.2 * i / (E - 1)) for i in range(E)]
+    got = st_read(path, pre + "mlp.gate.e_score_correction_bias")
+    assert all(abs(g - w) < 1e-7 for g, w in zip(got, lin)), got
+    assert set(st_read(path, pre + "input_layernorm.weight")) == {1.0}
+    for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):  # ~ N(1, 0.1)
+        w = st_read(path, pre + n)
+        mean = sum(w) / len(w)
+        sd = math.sqrt(sum((v - mean) ** 2 for v in w) / len(w))
+        assert abs(mean - 1.0) < 0.05 and 0.05 < sd < 0.2, (n, mean, sd)
+    # with tiny_dense's seed the main model is tiny_dense's, tensor for tensor
+    if load_json("tiny_mtp", "ref.json")["seed"] == load_json("tiny_dense", "ref.json")["seed"]:
+        other = os.path.join(DATA, "tiny_dense", "model.safetensors")
+        for n in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.4.mlp.experts.7.down_proj.weight",
+                  "model.layers.0.self_attn.kv_b_proj.weight"):
+            assert st_read(path, n) == st_read(other, n), n
+
+
+@pytest.fixture(scope="module")
+def mtp():
+    return load_json("tiny_mtp", "mtp_ref.json"), load_json("tiny_mtp", "ref.json")
+
+
+def test_mtp_ref_fields(mtp):
+    m, r = mtp
+    for k in ("transformers_version", "torch_version", "model", "seed", "depth", "mtp_layer", "prompt_ids",
+              "full_ids", "positions", "next_tokens", "chains", "gaps", "first_logits", "first_hx_norm",
+              "hidden_last_positions", "hidden_last", "first_hx", "min_gap", "router_min_gap", "checks"):
+        assert k in m, k
+    cfg = load_json("tiny_mtp", "config.json")
+    V, D = cfg["vocab_size"], cfg["hidden_size"]
+    assert m["model"] == "tiny_mtp" and m["seed"] == r["seed"]
+    assert m["mtp_layer"] == cfg["num_hidden_layers"]
+    assert m["depth"] == MTP_DEPTH
+    assert m["prompt_ids"] == r["prompt_ids"] == PROMPT and m["full_ids"] == r["full_ids"]
+    ids = m["full_ids"]
+    n = len(ids) - 1
+    assert n >= 20
+    assert m["positions"] == list(range(n))
+    assert m["next_tokens"] == ids[1:]
+    assert len(m["chains"]) == len(m["gaps"]) == len(m["first_logits"]) == len(m["first_hx_norm"]) == n
+    for c, g in zip(m["chains"], m["gaps"]):
+        assert len(c) == len(g) == MTP_DEPTH
+        assert all(isinstance(t, int) and 0 <= t < V for t in c)
+    assert all(len(row) == V for row in m["first_logits"])
+    assert all(math.isfinite(x) for row in m["first_logits"] for x in row)
+    assert all(math.isfinite(x) and x > 0 for x in m["first_hx_norm"])
+    hp = m["hidden_last_positions"]
+    assert 0 in hp and n - 1 in hp and len(PROMPT) - 1 in hp and all(0 <= p < n for p in hp)
+    assert len(m["hidden_last"]) == len(m["first_hx"]) == len(hp)
+    assert all(len(row) == D for row in m["hidden_last"] + m["first_hx"])
+    c = m["checks"]
+    assert c["bit_identical_with_full_indexer_topk_4096"] is True
+    assert c["max_abs_diff_step0_vs_single_causal_forward"] < 1e-5
+    assert c["max_abs_diff_lm_head_norm_hidden_vs_tf_logits"] < 1e-5
+
+
+def test_mtp_ref_argmax_and_gaps(mtp):
+    m, _ = mtp
+    th = m["acceptance_thresholds"]
+    for p, row in enumerate(m["first_logits"]):
+        a = argmax(row)
+        assert m["chains"][p][0] == a, p
+        s = sorted(row)
+        assert s[-1] > s[-2], p
+        assert abs((s[-1] - s[-2]) - m["gaps"][p][0]) < 1e-6, p
+    flat = [g for row in m["gaps"] for g in row]
+    assert min(flat) == m["min_gap"]
+    w = m["min_gap_where"]
+    assert m["gaps"][w["p"]][w["g"]] == m["min_gap"]
+    assert m["min_gap"] >= th["argmax"] >= 1e-4
+    assert m["router_min_gap"] >= th["router"] >= 1e-4
+    assert m["router_selection_mismatch_vs_recompute"] == 0
+    # a random head does not mirror the main model: chains are not just a copy of the continuation
+    assert any(c[0] != t for c, t in zip(m["chains"], m["full_ids"][2:]))
+
+
+def test_mtp_convention_sensitivity(mtp):
+    """The recorded wrong-convention re-runs: the concat order is decisive; model.norm before hnorm is
+    almost invisible because model.norm.weight is all ones (RMSNorm after RMSNorm ~ idempotent)."""
+    m, _ = mtp
+    s = m["convention_sensitivity"]
+    assert set(s) == {"skip_model_norm_at_step0", "model_norm_also_at_chained_steps", "concat_order_swapped"}
+    assert s["concat_order_swapped"]["first_drafts_differing"] > len(m["positions"]) // 2
+    assert s["concat_order_swapped"]["max_abs_diff_first_logits"] > 0.1
+    assert s["model_norm_also_at_chained_steps"]["max_abs_diff_first_logits"] == 0.0  # step 0 unaffected
+    assert s["skip_model_norm_at_step0"]["max_abs_diff_first_logits"] < 1e-3
+
+
+def test_mtp_hidden_last_and_first_input(mtp):
+    """hidden_last is the PRE-norm residual (model.norm + lm_head reproduce ref.json's logits), and
+    first_hx = eh_proj . [enorm(embed(tok_{p+1})) ; hnorm(model.norm(h_p))] (embedding part first)."""
+    m, r = mtp
+    cfg = load_json("tiny_mtp", "config.json")
+    V, D, eps = cfg["vocab_size"], cfg["hidden_size"], cfg["rms_norm_eps"]
+    path = os.path.join(DATA, "tiny_mtp", "model.safetensors")
+    pre = f"model.layers.{cfg['num_hidden_layers']}."
+    norm = st_read(path, "model.norm.weight")
+    head = st_read(path, "lm_head.weight")
+    embed = st_read(path, "model.embed_tokens.weight")
+    eh = st_read(path, pre + "eh_proj.weight")
+    enorm, hnorm = st_read(path, pre + "enorm.weight"), st_read(path, pre + "hnorm.weight")
+    assert set(norm) == {1.0}  # hence the RMS test below: a post-norm row would have RMS ~ 1
+    for p, h, hx in zip(m["hidden_last_positions"], m["hidden_last"], m["first_hx"]):
+        rms = math.sqrt(sum(v * v for v in h) / D)
+        assert abs(rms - 1.0) > 0.2, (p, rms)
+        hn = rmsnorm(h, norm, eps)
+        lg = matvec(head, V, D, hn)
+        assert max(abs(a - b) for a, b in zip(lg, r["logits"][p])) < 1e-4, p
+        tok = m["full_ids"][p + 1]
+        e = rmsnorm(embed[tok * D:(tok + 1) * D], enorm, eps)
+        want = matvec(eh, D, 2 * D, e + rmsnorm(hn, hnorm, eps))
+        assert max(abs(a - b) for a, b in zip(want, hx)) < 1e-4, p
+        assert abs(math.sqrt(sum(v * v for v in hx)) - m["first_hx_norm"][p]) < 1e-4, p

@@ -9,6 +9,9 @@ compares the engine against (the suite itself needs no torch):
                                   ref.json, ref_long.json, ref_int8.json, ref_int4.json
     tests/data/tiny_dsa/          same files (DSA selection active, "full"+"shared" indexer layers)
     tests/data/tiny_dense_fp8/    config.json, model.safetensors (F8_E4M3 + weight_scale_inv), ref.json
+    tests/data/tiny_mtp/          config.json, model.safetensors, generation_config.json, ref.json,
+                                  mtp_ref.json (tiny_dense architecture + a native MTP head saved as
+                                  model.layers.5.*, which HF drops; see "MTP head" below)
 
 Every ref file holds:
     prompt_ids, full_ids (prompt + greedy continuation from a cache-less argmax loop),
@@ -22,7 +25,7 @@ and dequantized exactly as the converter does (per-row symmetric, see ``quant_de
 the quantized containers themselves are NOT written.
 
 Usage: python tools/make_oracle.py --out tests/data [--only NAME]
-NAME in {tiny_dense, tiny_dsa, tiny_dense_fp8}.
+NAME in {tiny_dense, tiny_dsa, tiny_dense_fp8, tiny_mtp}.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from safetensors.torch import load_file as pt_load_file
 from safetensors.torch import save_file as pt_save_file
 from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf_glm
+from transformers.masking_utils import create_causal_mask
 
 # ----------------------------------------------------------------------------------------------
 # Fixed experiment definition
@@ -111,6 +115,8 @@ MODEL_CFG = {
         index_n_heads=16,
         indexer_types=["full", "full", "shared", "full", "shared"],
     ),
+    # tiny_dense's main model (same seed -> same main weights) plus an MTP head (layer 5)
+    "tiny_mtp": dict(index_topk=4096, index_head_dim=16, index_n_heads=2),
 }
 
 # Quantized containers: bits per tensor class (see classify_bits).
@@ -720,6 +726,486 @@ def produce_fp8(out, tmp):
     summarize(name, seed, {"ref": ref})
 
 
+# ----------------------------------------------------------------------------------------------
+# MTP head (tiny_mtp): GLM-5 native multi-token-prediction layer, saved as model.layers.{NL}.*
+# ----------------------------------------------------------------------------------------------
+#
+# HF's GlmMoeDsaForCausalLM has no MTP head (it drops model.layers.{NL}.*), so the head is built
+# here from HF's own modules: a GlmMoeDsaDecoderLayer (MoE, no indexer) + GlmMoeDsaRMSNorm for
+# enorm / hnorm / shared_head.norm + nn.Linear for eh_proj, on top of the main model's
+# embed_tokens, model.norm and lm_head (DeepSeek-V3 / vLLM convention, spec 6.6-6.7):
+#
+#   hx_p     = eh_proj . [enorm(embed(tok_{p+1})) ; hnorm(model.norm(h_p))]   (h_p: pre-norm residual)
+#   o_p      = MTP decoder layer on hx_p at position p (causal, dense, over its own window)
+#   draft    = argmax(lm_head . shared_head.norm(o_p))
+#   chaining : hx_{p+g} = eh_proj . [enorm(embed(draft_{g-1})) ; hnorm(o_{p+g-1})]   (no model.norm)
+#
+# KV window: a chain started at p attends to MTP rows 0..p (the true pairs (tok_{i+1}, h_i), i <= p,
+# as absorbed by the engine) plus the rows p+1..p+g-1 written by its own earlier steps. The reference
+# recomputes the whole causal forward of the MTP layer over [hx_0..hx_p, hx'_{p+1}..hx'_{p+g}] for
+# every chain step (position = row index), so no cache is involved.
+
+MTP_MODEL = "tiny_mtp"
+MTP_DEPTH = 4
+MTP_SEED_OFFSET = 7919          # MTP weights: torch.manual_seed(seed + MTP_SEED_OFFSET)
+MTP_NORM_INIT = (1.0, 0.1)      # enorm / hnorm / shared_head.norm weights ~ N(1, 0.1)
+MTP_THRESHOLDS = {"argmax": 1e-4, "router": 1e-4}
+MTP_EXTRA = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
+
+
+def mtp_hidden_positions():
+    L = len(PROMPT) + N_NEW
+    return [0, 5, len(PROMPT) - 1, L - 2]
+
+
+def mtp_layer_config(cfg: GlmMoeDsaConfig, indexer: str) -> GlmMoeDsaConfig:
+    """Config in which layer NL (= the MTP layer) exists: MoE, and indexer "shared" (no indexer
+    module, top-k supplied by the caller) or "full" (own indexer; used only for a cross-check)."""
+    kw = dict(COMMON_CFG)
+    kw.update(MODEL_CFG[MTP_MODEL])
+    NL = cfg.num_hidden_layers
+    kw["num_hidden_layers"] = NL + 1
+    kw["indexer_types"] = list(cfg.indexer_types) + [indexer]
+    mcfg = GlmMoeDsaConfig(**kw)
+    mcfg._attn_implementation = "eager"
+    assert mcfg.mlp_layer_types[NL] == "sparse" and mcfg.mlp_layer_types[:NL] == cfg.mlp_layer_types
+    return mcfg
+
+
+class MtpHead(torch.nn.Module):
+    """The MTP head's own parameters (the main model's embed/norm/lm_head are passed in)."""
+
+    def __init__(self, mcfg: GlmMoeDsaConfig, layer_idx: int):
+        super().__init__()
+        D, eps = mcfg.hidden_size, mcfg.rms_norm_eps
+        self.layer = hf_glm.GlmMoeDsaDecoderLayer(mcfg, layer_idx)
+        self.eh_proj = torch.nn.Linear(2 * D, D, bias=False)
+        self.enorm = hf_glm.GlmMoeDsaRMSNorm(D, eps=eps)
+        self.hnorm = hf_glm.GlmMoeDsaRMSNorm(D, eps=eps)
+        self.shared_head_norm = hf_glm.GlmMoeDsaRMSNorm(D, eps=eps)
+        self.mcfg = mcfg
+
+
+def init_mtp_head(mcfg: GlmMoeDsaConfig, NL: int, seed: int) -> MtpHead:
+    """torch.manual_seed(seed + MTP_SEED_OFFSET), construction, every >=2-D param ~ N(0, INIT_STD) in
+    named_parameters() order, then enorm/hnorm/shared_head.norm ~ N(1, 0.1); router bias linspace;
+    the decoder layer's own norms (input/post_attention/q_a/kv_a) keep HF init (ones)."""
+    torch.manual_seed(seed + MTP_SEED_OFFSET)
+    head = MtpHead(mcfg, NL)
+    assert head.layer.self_attn.indexer is None
+    with torch.no_grad():
+        for _, p in head.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, INIT_STD)
+        for norm in (head.enorm, head.hnorm, head.shared_head_norm):
+            norm.weight.normal_(*MTP_NORM_INIT)
+        b = head.layer.mlp.gate.e_score_correction_bias
+        b.copy_(torch.linspace(-0.1, 0.1, b.numel(), dtype=torch.float32))
+    return head.eval()
+
+
+def mtp_state(head: MtpHead, NL: int) -> dict:
+    """Checkpoint tensors model.layers.{NL}.* (per-expert names, no indexer)."""
+    pre = f"model.layers.{NL}."
+    I = head.mcfg.moe_intermediate_size
+    out = {}
+    for k, v in head.layer.state_dict().items():
+        assert ".indexer." not in k, k
+        if k == "mlp.experts.gate_up_proj":
+            for e in range(v.shape[0]):
+                out[pre + f"mlp.experts.{e}.gate_proj.weight"] = v[e, :I].clone()
+                out[pre + f"mlp.experts.{e}.up_proj.weight"] = v[e, I:].clone()
+        elif k == "mlp.experts.down_proj":
+            for e in range(v.shape[0]):
+                out[pre + f"mlp.experts.{e}.down_proj.weight"] = v[e].clone()
+        else:
+            out[pre + k] = v.clone()
+    out[pre + "eh_proj.weight"] = head.eh_proj.weight.detach().clone()
+    out[pre + "enorm.weight"] = head.enorm.weight.detach().clone()
+    out[pre + "hnorm.weight"] = head.hnorm.weight.detach().clone()
+    out[pre + "shared_head.norm.weight"] = head.shared_head_norm.weight.detach().clone()
+    return {k: v.contiguous().float() for k, v in out.items()}
+
+
+def load_mtp_head(path: str, mcfg: GlmMoeDsaConfig, NL: int) -> MtpHead:
+    """Fresh MtpHead filled from the saved checkpoint (per-expert -> fused), bit-exact; missing
+    indexer weights (indexer "full" cross-check variant) are the only tolerated gaps."""
+    st = pt_load_file(path)
+    pre = f"model.layers.{NL}."
+    head = MtpHead(mcfg, NL)
+    E, I = mcfg.n_routed_experts, mcfg.moe_intermediate_size
+    sd = {}
+    for k in head.layer.state_dict():
+        if k == "mlp.experts.gate_up_proj":
+            sd[k] = torch.stack([torch.cat([st[pre + f"mlp.experts.{e}.gate_proj.weight"],
+                                            st[pre + f"mlp.experts.{e}.up_proj.weight"]]) for e in range(E)])
+        elif k == "mlp.experts.down_proj":
+            sd[k] = torch.stack([st[pre + f"mlp.experts.{e}.down_proj.weight"] for e in range(E)])
+        elif pre + k in st:
+            sd[k] = st[pre + k]
+    res = head.layer.load_state_dict(sd, strict=False)
+    assert not res.unexpected_keys and all(".indexer." in k for k in res.missing_keys), res
+    with torch.no_grad():
+        head.eh_proj.weight.copy_(st[pre + "eh_proj.weight"])
+        head.enorm.weight.copy_(st[pre + "enorm.weight"])
+        head.hnorm.weight.copy_(st[pre + "hnorm.weight"])
+        head.shared_head_norm.weight.copy_(st[pre + "shared_head.norm.weight"])
+    back = mtp_state(head, NL) if head.layer.self_attn.indexer is None else None
+    if back is not None:
+        want = {k: v for k, v in st.items() if k.startswith(pre)}
+        assert set(back) == set(want)
+        for k, v in want.items():
+            assert v.dtype == torch.float32 and torch.equal(back[k], v), f"mtp load mismatch {k}"
+    assert head.layer.self_attn.q_a_layernorm.variance_epsilon == 1e-6
+    assert head.layer.input_layernorm.variance_epsilon == mcfg.rms_norm_eps
+    return head.eval()
+
+
+class MtpRouterProbe:
+    """Gap between the k-th and (k+1)-th biased router score of the LAST row of each MTP forward
+    (the only row whose MoE output is used: earlier rows feed the last one through attention K/V,
+    which depend on the layer input only); HF's selection checked against a re-computation."""
+
+    def __init__(self, gate):
+        self.gate = gate
+        self.min = (math.inf, None)
+        self.mismatch = 0
+        self.where = None
+
+    def __enter__(self):
+        self.h = self.gate.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc):
+        self.h.remove()
+
+    def _hook(self, mod, args, out):
+        h = args[0].reshape(-1, mod.hidden_dim).float()[-1:]
+        sfc = torch.sigmoid(F.linear(h, mod.weight.float())) + mod.e_score_correction_bias
+        vals, idx = torch.sort(sfc[0], descending=True)
+        k = mod.top_k
+        gap = float(vals[k - 1] - vals[k])
+        if gap < self.min[0]:
+            self.min = (gap, self.where)
+        if set(out[2][-1].tolist()) != set(idx[:k].tolist()):
+            self.mismatch += 1
+
+
+@torch.no_grad()
+def main_hidden(model, ids):
+    """Pre-final-norm residual of the last main layer at every position of one teacher-forced
+    forward (no cache), plus the max |lm_head(model.norm(h)) - logits| as a consistency figure."""
+    cap = {}
+    hk = model.model.layers[-1].register_forward_hook(lambda m, a, o: cap.__setitem__("h", o[0]))
+    try:
+        logits = tf_forward(model, ids)
+    finally:
+        hk.remove()
+    H = cap["h"][0].float().clone()
+    diff = float((model.lm_head(model.model.norm(H)) - logits).abs().max())
+    return H, logits, diff
+
+
+# the convention (spec 6.6) and deliberately wrong variants used to measure what the data can detect
+MTP_CONVENTION = {"model_norm_step0": True, "model_norm_chained": False, "swap": False}
+MTP_VARIANTS = {
+    "skip_model_norm_at_step0": dict(MTP_CONVENTION, model_norm_step0=False),
+    "model_norm_also_at_chained_steps": dict(MTP_CONVENTION, model_norm_chained=True),
+    "concat_order_swapped": dict(MTP_CONVENTION, swap=True),
+}
+
+
+@torch.no_grad()
+def mtp_input_row(head, model, tok: int, h: torch.Tensor, first: bool, conv=MTP_CONVENTION) -> torch.Tensor:
+    e = head.enorm(model.model.embed_tokens(torch.tensor([tok], dtype=torch.long)))[0]
+    use_norm = conv["model_norm_step0"] if first else conv["model_norm_chained"]
+    hh = head.hnorm(model.model.norm(h) if use_norm else h)
+    return head.eh_proj(torch.cat([hh, e] if conv["swap"] else [e, hh]))
+
+
+@torch.no_grad()
+def mtp_layer_run(head, model, rows: torch.Tensor) -> torch.Tensor:
+    """One causal, dense, cache-less forward of the MTP layer over rows [S, D] at positions 0..S-1.
+    The layer has no indexer ("shared" type): it is handed top-k indices that list every key, so
+    HF's index mask is empty and only the causal mask applies."""
+    S = rows.shape[0]
+    x = rows[None]
+    pos = torch.arange(S, dtype=torch.long)[None]
+    mask = create_causal_mask(config=head.mcfg, inputs_embeds=x, attention_mask=None, cache=None,
+                              position_ids=pos, allow_is_causal_skip=False)
+    cos_sin = model.model.rotary_emb(x, position_ids=pos)
+    all_keys = torch.arange(S, dtype=torch.int32).expand(1, S, S)
+    out, _ = head.layer(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin,
+                        prev_topk_indices=all_keys if head.layer.self_attn.indexer is None else None)
+    return out[0]
+
+
+@torch.no_grad()
+def mtp_logits(head, model, o: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(head.shared_head_norm(o)).float()
+
+
+def top2_gap(lg: torch.Tensor) -> float:
+    v = torch.topk(lg, 2).values
+    return float(v[0] - v[1])
+
+
+@torch.no_grad()
+def compute_mtp_ref(model, head, full_ids, depth, conv=MTP_CONVENTION):
+    L = len(full_ids)
+    H, _, head_diff = main_hidden(model, full_ids)
+    # true input rows hx_i = f(tok_{i+1}, h_i), i = 0..L-2
+    HX = torch.stack([mtp_input_row(head, model, full_ids[i + 1], H[i], True, conv) for i in range(L - 1)])
+    probe = MtpRouterProbe(head.layer.mlp.gate)
+    chains, first_logits, gaps = [], [], []
+    min_gap = (math.inf, None)
+    step0_out = []
+    with probe:
+        for p in range(L - 1):
+            rows = HX[: p + 1]
+            chain, pg = [], []
+            for g in range(depth):
+                probe.where = {"p": p, "g": g}
+                o = mtp_layer_run(head, model, rows)[-1]
+                lg = mtp_logits(head, model, o)
+                d = int(torch.argmax(lg))
+                gap = top2_gap(lg)
+                if gap < min_gap[0]:
+                    min_gap = (gap, {"p": p, "g": g})
+                chain.append(d)
+                pg.append(gap)
+                if g == 0:
+                    first_logits.append(lg.numpy().astype(np.float32))
+                    step0_out.append(o)
+                rows = torch.cat([rows, mtp_input_row(head, model, d, o, False, conv)[None]])
+            chains.append(chain)
+            gaps.append(pg)
+    # cross-check 1: causality -- one forward over all true rows gives each chain's step-0 output
+    all_out = mtp_layer_run(head, model, HX)
+    causal_diff = float((all_out - torch.stack(step0_out)).abs().max())
+    assert causal_diff < 1e-5, causal_diff
+    hpos = mtp_hidden_positions()
+    return {
+        "chains": chains,
+        "first_logits": np.stack(first_logits),
+        "gaps": gaps,
+        "min_gap": min_gap,
+        "router_min_gap": probe.min,
+        "router_mismatch": probe.mismatch,
+        "first_hx_norm": [float(torch.linalg.vector_norm(HX[p])) for p in range(L - 1)],
+        "hidden_last_positions": hpos,
+        "hidden_last": H[hpos].numpy().astype(np.float32),
+        "first_hx": HX[hpos].numpy().astype(np.float32),
+        "HX": HX,
+        "checks": {"max_abs_diff_lm_head_norm_hidden_vs_tf_logits": head_diff,
+                   "max_abs_diff_step0_vs_single_causal_forward": causal_diff},
+    }
+
+
+def mtp_ok(mref) -> list[str]:
+    bad = []
+    if mref["min_gap"][0] < MTP_THRESHOLDS["argmax"]:
+        bad.append(f"mtp argmax gap {mref['min_gap'][0]:.3g} at {mref['min_gap'][1]}")
+    if mref["router_min_gap"][0] < MTP_THRESHOLDS["router"]:
+        bad.append(f"mtp router gap {mref['router_min_gap'][0]:.3g} at {mref['router_min_gap'][1]}")
+    if mref["router_mismatch"]:
+        bad.append("mtp router selection != recompute")
+    return bad
+
+
+def check_mtp_file(path: str, cfg) -> None:
+    """Main model tensors as check_saved_names wants them, plus the MTP layer NL with per-expert
+    names, the MTP extras, and no indexer tensors."""
+    NL = cfg.num_hidden_layers
+    pre = f"model.layers.{NL}."
+    hdr = safetensors_header(path)
+    names = [k for k in hdr if k != "__metadata__"]
+    assert all(hdr[n]["dtype"] == "F32" for n in names)
+    assert not any("gate_up_proj" in n for n in names)
+    assert not any(n.startswith(pre + "self_attn.indexer.") for n in names)
+    assert not any(n.startswith(f"model.layers.{NL + 1}.") for n in names)
+    mtp = [n for n in names if n.startswith(pre)]
+    for x in MTP_EXTRA:
+        assert pre + x in mtp, x
+    exp = {(int(m.group(2)), m.group(3)) for m in map(EXPERT_NAME_RE.match, mtp) if m}
+    assert exp == {(e, p) for e in range(cfg.n_routed_experts) for p in ("gate_proj", "up_proj", "down_proj")}
+    D = cfg.hidden_size
+    assert hdr[pre + "eh_proj.weight"]["shape"] == [D, 2 * D]
+    for x in MTP_EXTRA[1:]:
+        assert hdr[pre + x]["shape"] == [D]
+
+
+def write_mtp_ref(path: str, obj: dict) -> None:
+    """JSON with float32 arrays as shortest round-trip text, one row per line."""
+    parts = []
+    for k, v in obj.items():
+        if isinstance(v, np.ndarray) and v.ndim == 2:
+            rows = ",\n  ".join(f32_list_text(r) for r in v)
+            parts.append(f'"{k}": [\n  {rows}\n]')
+        elif isinstance(v, np.ndarray):
+            parts.append(f'"{k}": {f32_list_text(v)}')
+        elif k in ("chains", "gaps"):
+            rows = ",\n  ".join(json.dumps(r) for r in v)
+            parts.append(f'"{k}": [\n  {rows}\n]')
+        elif k in ("prompt_ids", "full_ids", "positions", "next_tokens", "hidden_last_positions"):
+            parts.append(f'"{k}": {json.dumps(v)}')
+        else:
+            parts.append(f'"{k}": {json.dumps(v, indent=2, sort_keys=True)}')
+    with open(path, "w") as f:
+        f.write("{\n" + ",\n".join(parts) + "\n}\n")
+    back = json.load(open(path))
+    for k, v in obj.items():
+        if isinstance(v, np.ndarray):
+            assert np.array_equal(np.array(back[k], dtype=np.float32), v), (path, k)
+        else:
+            assert back[k] == v, (path, k)
+
+
+def build_mtp_model(seed, tmp):
+    """Main model (exactly init_model(cfg, seed), as tiny_dense) + MTP head -> checkpoint dir in tmp.
+    Returns (dir, main model loaded from it, MTP head loaded from it, config)."""
+    cfg = build_config(MTP_MODEL)
+    NL = cfg.num_hidden_layers
+    mdir = os.path.join(tmp, f"{MTP_MODEL}_s{seed}")
+    main = init_model(cfg, seed)
+    save_f32_model(main, mdir)
+    write_config(os.path.join(mdir, "config.json"),
+                 full_config_dict(cfg, {"num_nextn_predict_layers": 1}))
+    st_path = os.path.join(mdir, "model.safetensors")
+    sd = pt_load_file(st_path)
+    n_main = len(sd)
+    head = init_mtp_head(mtp_layer_config(cfg, "shared"), NL, seed)
+    extra = mtp_state(head, NL)
+    assert not set(extra) & set(sd)
+    sd.update(extra)
+    pt_save_file(sd, st_path, metadata={"format": "pt"})
+    check_mtp_file(st_path, cfg)
+    # HF loads the main model from the augmented file (layer NL is ignored) bit-exactly
+    model = load_model(mdir)
+    want = main.state_dict()
+    got = model.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert model.config.num_hidden_layers == NL and len(model.model.layers) == NL
+    assert getattr(model.config, "num_nextn_predict_layers", None) == 1
+    for i, layer in enumerate(model.model.layers):
+        assert layer.self_attn.q_a_layernorm.variance_epsilon == 1e-6
+        assert layer.input_layernorm.variance_epsilon == cfg.rms_norm_eps
+    mhead = load_mtp_head(st_path, mtp_layer_config(cfg, "shared"), NL)
+    log(f"[{MTP_MODEL}] seed {seed}: {n_main} main tensors + {len(extra)} MTP tensors (layer {NL})")
+    return mdir, model, mhead, cfg
+
+
+def produce_mtp(out, tmp):
+    name = MTP_MODEL
+    t0 = time.time()
+    for seed in range(BASE_SEED, BASE_SEED + MAX_SEED_TRIES):
+        mdir, model, head, cfg = build_mtp_model(seed, tmp)
+        ref = compute_ref(model, PROMPT, N_NEW)
+        bad = [f"ref: {why}" for why in ref_ok(ref, False, "short")]
+        if not bad:
+            mref = compute_mtp_ref(model, head, ref["full_ids"], MTP_DEPTH)
+            bad = [f"mtp_ref: {why}" for why in mtp_ok(mref)]
+        if not bad:
+            break
+        log(f"[{name}] seed {seed} rejected: {'; '.join(bad)}")
+    else:
+        raise SystemExit(f"[{name}] no acceptable seed in {MAX_SEED_TRIES} tries")
+    NL = cfg.num_hidden_layers
+    st_path = os.path.join(mdir, "model.safetensors")
+    # cross-check 2: the same layer built with its own DSA indexer ("full", index_topk=4096 > every
+    # sequence here) gives bit-identical outputs: the all-keys top-k path is exactly dense attention.
+    fcfg = mtp_layer_config(cfg, "full")
+    assert fcfg.index_topk > len(ref["full_ids"]) + MTP_DEPTH
+    torch.manual_seed(0)
+    fhead = load_mtp_head(st_path, fcfg, NL)
+    assert fhead.layer.self_attn.indexer is not None
+    same_full_indexer = bool(torch.equal(mtp_layer_run(fhead, model, mref["HX"]),
+                                         mtp_layer_run(head, model, mref["HX"])))
+    assert same_full_indexer
+    mref["checks"]["bit_identical_with_full_indexer_topk_4096"] = same_full_indexer
+    # what the data can detect: the same reference under wrong conventions
+    sens = {}
+    for vname, conv in MTP_VARIANTS.items():
+        v = compute_mtp_ref(model, head, ref["full_ids"], MTP_DEPTH, conv)
+        sens[vname] = {
+            "chains_differing": sum(a != b for a, b in zip(v["chains"], mref["chains"])),
+            "first_drafts_differing": sum(a[0] != b[0] for a, b in zip(v["chains"], mref["chains"])),
+            "max_abs_diff_first_logits": float(np.abs(v["first_logits"] - mref["first_logits"]).max()),
+        }
+
+    dst = os.path.join(out, name)
+    if os.path.isdir(dst):
+        shutil.rmtree(dst)
+    os.makedirs(dst)
+    for fn in ("config.json", "model.safetensors", "generation_config.json"):
+        if os.path.exists(os.path.join(mdir, fn)):
+            shutil.copy(os.path.join(mdir, fn), os.path.join(dst, fn))
+    extra = {"sequence": "short", "acceptance_thresholds": THRESHOLDS["short"],
+             "mtp_head": f"model.layers.{NL}.* in model.safetensors (dropped by HF); drafts in mtp_ref.json"}
+    write_ref(os.path.join(dst, "ref.json"), ref_record(name, seed, cfg, ref, extra))
+
+    full_ids = ref["full_ids"]
+    P = len(PROMPT)
+    positions = list(range(len(full_ids) - 1))
+    agree = [p for p in positions if p + 2 < len(full_ids) and mref["chains"][p][0] == full_ids[p + 2]]
+    obj = {
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "model": name,
+        "seed": seed,
+        "mtp_layer": NL,
+        "depth": MTP_DEPTH,
+        "init": f"main model as in ref.json; MTP head: torch.manual_seed(seed + {MTP_SEED_OFFSET}), HF "
+                f"GlmMoeDsaDecoderLayer(layer_idx={NL}, MoE, no indexer) + eh_proj, every >=2-D param ~ "
+                f"N(0, {INIT_STD}); enorm/hnorm/shared_head.norm ~ N({MTP_NORM_INIT[0]}, {MTP_NORM_INIT[1]}); "
+                "e_score_correction_bias = linspace(-0.1, 0.1, E); the layer's own norms keep HF init",
+        "convention": "hx_p = eh_proj . [enorm(embed(full_ids[p+1])) ; hnorm(model.norm(h_p))], h_p = main "
+                      "last-layer residual before model.norm; o = MTP decoder layer (MLA + MoE, eager, f32) "
+                      "at position p; draft = argmax(lm_head . shared_head.norm(o)); step g>=1 at position "
+                      "p+g: hx = eh_proj . [enorm(embed(draft_{g-1})) ; hnorm(o_prev)] (no model.norm); all "
+                      "RMSNorm eps = rms_norm_eps",
+        "kv_window": "a chain started at p attends (causally, densely) to MTP rows 0..p built from the true "
+                     "pairs (full_ids[i+1], h_i) and to its own earlier speculative rows p+1..p+g-1; "
+                     "computed as one cache-less causal forward per chain step, position = row index",
+        "dense_attention": "MTP layer built as an indexer-less ('shared') layer and given top-k indices "
+                           "listing every key, so HF's DSA index mask is empty; checked bit-identical "
+                           "to the same layer with its own indexer and index_topk=4096",
+        "acceptance_thresholds": MTP_THRESHOLDS,
+        "min_gap": mref["min_gap"][0],
+        "min_gap_where": mref["min_gap"][1],
+        "router_min_gap": mref["router_min_gap"][0],
+        "router_min_gap_where": mref["router_min_gap"][1],
+        "router_selection_mismatch_vs_recompute": mref["router_mismatch"],
+        "checks": mref["checks"],
+        "convention_sensitivity": sens,
+        "convention_sensitivity_note": "the reference recomputed under wrong conventions; model.norm.weight "
+                                       "is all ones (HF init), and RMSNorm then hnorm is ~idempotent, so "
+                                       "whether model.norm is applied before hnorm is (nearly) invisible here",
+        "first_draft_equals_next_greedy_token": {"count": len(agree), "of": len(positions) - 1,
+                                                 "positions": agree},
+        "prompt_ids": list(PROMPT),
+        "full_ids": full_ids,
+        "positions": positions,
+        "next_tokens": [full_ids[p + 1] for p in positions],
+        "chains": mref["chains"],
+        "gaps": mref["gaps"],
+        "first_hx_norm": np.array(mref["first_hx_norm"], dtype=np.float32),
+        "hidden_last_positions": mref["hidden_last_positions"],
+        "hidden_last": mref["hidden_last"],
+        "first_hx": mref["first_hx"],
+        "first_logits": mref["first_logits"],
+    }
+    write_mtp_ref(os.path.join(dst, "mtp_ref.json"), obj)
+    summarize(name, seed, {"ref": ref})
+    log(f"  mtp chains (p: next -> drafts): " + "; ".join(
+        f"{p}: {full_ids[p + 1]} -> {mref['chains'][p]}" for p in range(P - 2, P + 3)))
+    log(f"  mtp min argmax gap {mref['min_gap'][0]:.4g} at {mref['min_gap'][1]}, router gap "
+        f"{mref['router_min_gap'][0]:.4g} at {mref['router_min_gap'][1]}, first draft == next greedy "
+        f"{len(agree)}/{len(positions) - 1}, checks {mref['checks']}")
+    log(f"  convention sensitivity: {sens}")
+    log(f"[{name}] done in {time.time() - t0:.1f}s")
+
+
 def summarize(name, seed, refs):
     log(f"[{name}] seed={seed}")
     for k, r in refs.items():
@@ -742,7 +1228,7 @@ def summarize(name, seed, refs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="tests/data")
-    ap.add_argument("--only", choices=["tiny_dense", "tiny_dsa", "tiny_dense_fp8"])
+    ap.add_argument("--only", choices=["tiny_dense", "tiny_dsa", "tiny_dense_fp8", "tiny_mtp"])
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -752,11 +1238,13 @@ def main():
     except Exception:
         pass
     os.makedirs(args.out, exist_ok=True)
-    names = [args.only] if args.only else ["tiny_dense", "tiny_dsa", "tiny_dense_fp8"]
+    names = [args.only] if args.only else ["tiny_dense", "tiny_dsa", "tiny_dense_fp8", "tiny_mtp"]
     with tempfile.TemporaryDirectory(prefix="colibri_oracle_") as tmp:
         for n in names:
             if n == "tiny_dense_fp8":
                 produce_fp8(args.out, tmp)
+            elif n == "tiny_mtp":
+                produce_mtp(args.out, tmp)
             else:
                 produce_model(n, args.out, tmp)
     return 0

@@ -1,0 +1,105 @@
+"""The native MTP head against the independent torch reference (tools/make_oracle.py)."""
+import json
+
+import numpy as np
+import pytest
+
+from colibri import _core, model_init
+from colibri.convert import ConvertOptions, convert
+from colibri.draft import DraftPolicy
+from colibri.parity import check, load_ref
+from conftest import DATA
+
+MTP = DATA / "tiny_mtp"
+
+
+@pytest.fixture(scope="module")
+def mref():
+    return json.loads((MTP / "mtp_ref.json").read_text())
+
+
+def _chains(m, full, depth):
+    """Draft chain at every position p: MTP KV holds the true pairs of rows 0..p-1 (absorbed)."""
+    m.kv_alloc(len(full) + depth + 2)
+    m.step_all(full, 0)
+    h = np.array(m.h_all, copy=True)
+    chains, first = [], []
+    for p in range(len(full) - 1):
+        m.kv_start[m.cfg.n_layers] = -1
+        if p > 0:
+            m.mtp_absorb(full[1:p + 1], h[:p], 0)
+        m.hlast = h[p].copy()
+        chains.append(m.mtp_draft(full[p + 1], p + 1, depth))
+        first.append(m.mtp_logits[0])
+    return chains, np.array(first), h
+
+
+def test_mtp_detected_with_few_experts():
+    m = model_init(MTP)
+    assert m.has_mtp and m.cfg.n_experts == 8 and m.mtp.index == m.cfg.n_layers
+    assert not model_init(MTP, mtp=False).has_mtp
+    assert not model_init(DATA / "tiny_dense").has_mtp
+
+
+def test_main_model_parity_unchanged_by_head():
+    res = check(model_init(MTP), load_ref(MTP / "ref.json"))
+    assert res["tf_match"] == res["tf_total"] and res["greedy_match"] == res["greedy_total"]
+
+
+def test_mtp_chains_match_torch_reference(mref):
+    m = model_init(MTP)
+    full = mref["full_ids"]
+    chains, first, h = _chains(m, full, mref["depth"])
+    assert len(chains) >= 20
+    assert chains == mref["chains"]
+    np.testing.assert_allclose(first, np.array(mref["first_logits"], np.float32), atol=2e-5)
+    for p, ref_h in zip(mref["hidden_last_positions"], mref["hidden_last"]):
+        np.testing.assert_allclose(h[p], ref_h, atol=1e-5)
+
+
+def test_int8_head_drafts_like_f32(tmp_path, mref):
+    """The converter writes the MTP layer at int8 even when experts are int4."""
+    convert(MTP, tmp_path, ConvertOptions(expert_bits=4, dense_bits=4), verbose=False)
+    m = model_init(tmp_path)
+    assert m.eh_proj.fmt == "int8" and m.mtp.q_a.fmt == "int8"
+    assert m.expert_load(m.cfg.n_layers, 0).gate.fmt == "int8"
+    assert m.layers[3].q_a.fmt == "int4"
+
+
+def _decode(m, prompt, n_new, mode, temperature=0.0, seed=None):
+    m.kv_alloc(len(prompt) + n_new + 20)
+    m.reset_stats()
+    pol = DraftPolicy(mode)
+    m.mtp_absorb_prefill = m.has_mtp and pol.max_depth > 0
+    ids = list(prompt)
+    logits = m.step(ids, 0)
+    out, _ = m.spec_decode(ids, len(prompt), n_new, logits,
+                           _core.Sampler(m.cfg.vocab, temperature, 1.0, seed), pol)
+    return out, pol
+
+
+def test_greedy_mtp_drafts_are_lossless():
+    m = model_init(MTP)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 256, int(rng.integers(3, 12))).tolist() for _ in range(20)]
+    proposed = 0
+    for prompt in prompts:
+        plain, _ = _decode(m, prompt, 64, 0)
+        for depth in (1, 3):
+            spec, pol = _decode(m, prompt, 64, depth)
+            assert spec == plain
+            proposed += pol.proposed
+    assert proposed > 0
+
+
+def test_counters_and_guard_with_a_useless_head():
+    """A random head is rejected nearly always: the guard turns drafting off after 24 proposals."""
+    m = model_init(MTP)
+    out, pol = _decode(m, [3, 14, 159, 26, 53], 60, 3)
+    assert len(out) == 60
+    assert pol.proposed >= 24
+    assert pol.off
+    assert m.decode_forwards + pol.accepted == 59      # every emitted token but the first, once
+    sampled, spol = _decode(m, [3, 14, 159, 26, 53], 40, 2, temperature=0.9, seed=5)
+    assert len(sampled) == 40 and spol.proposed > 0
+    assert _decode(m, [3, 14, 159, 26, 53], 40, 2, temperature=0.9, seed=5)[0] == sampled

@@ -1,0 +1,268 @@
+"""Speculative decoding: lossless greedy and sampled decoding, drafts, counters, draft policy."""
+import numpy as np
+import pytest
+
+from colibri import _core, model_init
+from colibri.convert import ConvertOptions, convert
+from colibri.draft import DraftPolicy, parse_draft
+from conftest import DATA
+
+VOCAB = 256
+
+
+def _prompts(n, seed=0):
+    """Prompts with repeats, so n-gram lookup finds drafts."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        base = rng.integers(0, VOCAB, size=int(rng.integers(4, 10))).tolist()
+        out.append(base + base[: int(rng.integers(2, len(base)))] + rng.integers(0, VOCAB, 3).tolist())
+    return out
+
+
+def _decode(m, prompt, n_new, mode, temperature=0.0, seed=None):
+    m.kv_alloc(len(prompt) + n_new + 20)
+    m.reset_stats()
+    pol = DraftPolicy(mode)
+    m.mtp_absorb_prefill = m.has_mtp and pol.max_depth > 0
+    ids = list(prompt)
+    logits = m.step(ids, 0)
+    out, kv = m.spec_decode(ids, len(prompt), n_new, logits, _core.Sampler(VOCAB, temperature, 1.0, seed), pol)
+    return out, pol
+
+
+@pytest.fixture(scope="module")
+def int4_dsa(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("dsa_int4")
+    convert(DATA / "tiny_dsa", dst, ConvertOptions(expert_bits=4, dense_bits=4, io_bits=8), verbose=False)
+    return dst
+
+
+@pytest.mark.parametrize("name", ["tiny_dense", "tiny_dsa"])
+def test_greedy_ngram_drafts_are_lossless_f32(name):
+    m = model_init(DATA / name)
+    proposed = accepted = 0
+    for prompt in _prompts(20, seed=1):
+        plain, _ = _decode(m, prompt, 64, 0)
+        assert len(plain) == 64
+        for depth in (3, "auto"):
+            spec, pol = _decode(m, prompt, 64, depth)
+            assert spec == plain
+            proposed += pol.proposed
+            accepted += pol.accepted
+    assert proposed > 100 and accepted > 0
+
+
+def test_greedy_drafts_lossless_on_int4_container(int4_dsa):
+    """Rows never depend on their batch (same kernels, same attention path, experts accumulated in
+    ascending id), so verification is bit-exact against plain decoding on quantized weights too."""
+    m = model_init(int4_dsa)
+    for prompt in _prompts(20, seed=2):
+        plain, _ = _decode(m, prompt, 64, 0)
+        for depth in (1, 4, 16):
+            assert _decode(m, prompt, 64, depth)[0] == plain
+
+
+def test_verify_rows_equal_single_row_decode(int4_dsa):
+    m = model_init(int4_dsa)
+    ids = _prompts(1, seed=3)[0] + [5, 6, 7, 8, 9]
+    m.kv_alloc(len(ids))
+    batch = m.step_all(ids[:8], 0)     # prefill-sized batch
+    b2 = m.step_all(ids[8:], 8)        # verify-sized batch
+    m.kv_alloc(len(ids))
+    m.step_all(ids[:8], 0)
+    rows = np.stack([m.step([t], 8 + i) for i, t in enumerate(ids[8:])])
+    np.testing.assert_array_equal(rows, b2)
+
+
+def test_ngram_draft():
+    assert _core.ngram_draft([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert _core.ngram_draft([1, 2, 3, 4, 1, 2], 1) == [3]
+    assert _core.ngram_draft([9, 1, 2, 7, 1, 2, 5, 1, 2], 2) == [5, 1]     # most recent match
+    assert _core.ngram_draft([1, 2, 3, 4, 5], 3) == []
+    assert _core.ngram_draft([1, 2, 1], 3) == []
+
+
+# -- sampling ----------------------------------------------------------------------------------
+
+def _chi2_pvalue(counts, probs):
+    """Pearson chi-square p-value (categories with expected < 5 merged), via the regularized gamma."""
+    n = counts.sum()
+    exp = probs * n
+    order = np.argsort(exp)
+    c, e, acc_c, acc_e = [], [], 0.0, 0.0
+    for i in order:
+        acc_c += counts[i]
+        acc_e += exp[i]
+        if acc_e >= 5:
+            c.append(acc_c)
+            e.append(acc_e)
+            acc_c = acc_e = 0.0
+    if acc_e > 0:
+        c[-1] += acc_c
+        e[-1] += acc_e
+    c, e = np.array(c), np.array(e)
+    stat = float(((c - e) ** 2 / e).sum())
+    dof = len(c) - 1
+    return _gammaincc(dof / 2.0, stat / 2.0)
+
+
+def _gammaincc(a, x):
+    """Regularized upper incomplete gamma Q(a, x) (series / continued fraction)."""
+    import math
+    if x <= 0:
+        return 1.0
+    if x < a + 1:
+        term = total = 1.0 / a
+        ap = a
+        for _ in range(10000):
+            ap += 1
+            term *= x / ap
+            total += term
+            if abs(term) < abs(total) * 1e-15:
+                break
+        return 1.0 - total * math.exp(-x + a * math.log(x) - math.lgamma(a))
+    b = x + 1 - a
+    c = 1 / 1e-300
+    d = 1 / b
+    h = d
+    for i in range(1, 10000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1e-300 if abs(d) < 1e-300 else d
+        c = b + an / c
+        c = 1e-300 if abs(c) < 1e-300 else c
+        d = 1 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1) < 1e-15:
+            break
+    return math.exp(-x + a * math.log(x) - math.lgamma(a)) * h
+
+
+def _accept_resample(sampler, draft, broken=False):
+    """One draw of the next token through spec_decode's accept/resample rule for a point-mass
+    draft: accept with probability p(draft), else resample from p with the draft banned.
+    The broken rule accepts whenever an independent sample equals the draft and otherwise draws
+    again from p without banning the draft (so the draft is over-represented).
+    sampler.P holds p (dist_build of the verify logits, as spec_decode does)."""
+    if broken:
+        t = sampler.dist_sample()
+        return draft if t == draft else sampler.dist_sample()
+    if sampler.rndu() < sampler.P[draft]:
+        return draft
+    return sampler.dist_sample(draft)
+
+
+@pytest.fixture(scope="module")
+def next_logits():
+    m = model_init(DATA / "tiny_dsa")
+    m.kv_alloc(16)
+    return m.step([3, 14, 159, 26, 53], 0) * 0.5     # a spread-out distribution
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+@pytest.mark.parametrize("which", ["likely", "unlikely", "impossible"])
+def test_sampled_acceptance_matches_target(next_logits, top_p, which):
+    logits = next_logits.copy()
+    logits[17] = -1e30                         # token 17 is impossible under p
+    s = _core.Sampler(VOCAB, 1.0, top_p, seed=1234)
+    s.dist_build(logits)
+    p = np.array(s.P, dtype=np.float64)
+    order = np.argsort(-p, kind="stable")
+    draft = {"likely": order[0], "unlikely": order[np.count_nonzero(p) // 2], "impossible": 17}[which]
+    assert (p[draft] == 0) == (which == "impossible")
+    n = 20000
+    counts = np.zeros(VOCAB)
+    for _ in range(n):
+        counts[_accept_resample(s, int(draft))] += 1
+    assert counts[p == 0].sum() == 0
+    assert _chi2_pvalue(counts[p > 0], p[p > 0]) > 0.01
+
+
+def test_broken_acceptance_rule_fails(next_logits):
+    s = _core.Sampler(VOCAB, 1.0, 1.0, seed=99)
+    s.dist_build(next_logits)
+    p = np.array(s.P, dtype=np.float64)
+    draft = int(np.argmax(p))
+    counts = np.zeros(VOCAB)
+    for _ in range(20000):
+        counts[_accept_resample(s, draft, broken=True)] += 1
+    assert _chi2_pvalue(counts[p > 0], p[p > 0]) < 0.01
+
+
+def test_sampled_spec_decode_runs_and_counts():
+    m = model_init(DATA / "tiny_dense")
+    prompt = _prompts(1, seed=5)[0]
+    out, pol = _decode(m, prompt, 40, 3, temperature=0.8, seed=3)
+    assert len(out) == 40
+    assert m.decode_forwards + pol.accepted == 39
+    again, _ = _decode(m, prompt, 40, 3, temperature=0.8, seed=3)
+    assert again == out
+
+
+def test_sampler_details():
+    s = _core.Sampler(5, 1.0, 0.5, seed=7)
+    s.dist_build(np.log(np.array([0.1, 0.4, 0.2, 0.2, 0.1], np.float32)))
+    # nucleus 0.5: 0.4, then the tie 0.2/0.2 resolved by ascending id -> ids 1 and 2 kept
+    np.testing.assert_allclose(s.P, [0, 2 / 3, 1 / 3, 0, 0], rtol=1e-6)
+    assert all(s.dist_sample(1) == 2 for _ in range(50))
+    g = _core.Sampler(5, 0.0, 0.9)
+    assert g.pick_tok(np.array([0, 3, 3, 1, 0], np.float32)) == 1        # first maximum
+    with pytest.raises(ValueError):
+        _core.Sampler(5, -1.0, 0.9)
+    with pytest.raises(ValueError):
+        _core.Sampler(5, 1.0, 0.0)
+    a, b = _core.Sampler(5, 1.0, 1.0, seed=11), _core.Sampler(5, 1.0, 1.0, seed=11)
+    assert [a.rndu() for _ in range(5)] == [b.rndu() for _ in range(5)]
+
+
+# -- policy ------------------------------------------------------------------------------------
+
+def test_guard_turns_drafting_off():
+    pol = DraftPolicy(3)
+    for _ in range(8):
+        assert pol.depth() == 3
+        pol.record(3, 3, 0, 0.01)
+    assert pol.proposed == 24 and pol.off
+    assert pol.depth() == 0
+
+
+def test_guard_keeps_useful_drafts():
+    pol = DraftPolicy(3)
+    for _ in range(20):
+        pol.record(3, 3, 1, 0.01)
+    assert not pol.off and pol.depth() == 3
+
+
+def test_auto_prefers_no_drafts_when_they_do_not_pay():
+    pol = DraftPolicy("auto")
+    depths = []
+    for _ in range(200):
+        d = pol.depth()
+        depths.append(d)
+        pol.record(d, d, 0, 0.010 + 0.008 * d)       # every draft rejected, verify costs more
+    assert depths[-50:].count(0) >= 48
+    assert sum(1 for d in depths if d > 0) <= 10      # a few probes, not a tax
+
+
+def test_auto_finds_the_best_depth():
+    pol = DraftPolicy("auto")
+    rng = np.random.default_rng(0)
+    depths = []
+    for _ in range(300):
+        d = pol.depth()
+        depths.append(d)
+        k = 0
+        while k < d and rng.random() < 0.8:            # 80% acceptance, cheap verify
+            k += 1
+        pol.record(d, d, k, 0.010 + 0.001 * d)
+    assert np.mean(depths[-100:]) >= 2.5
+
+
+def test_parse_draft():
+    assert parse_draft("auto") == "auto" and parse_draft("3") == 3 and parse_draft(0) == 0
+    for bad in ("-1", "17", "x", "2.5"):
+        with pytest.raises(ValueError, match="--draft"):
+            parse_draft(bad)
