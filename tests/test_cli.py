@@ -36,7 +36,8 @@ def test_run_greedy_with_stats(tmp_path):
     assert s["tokens"] == ref["full_ids"][len(ref["prompt_ids"]):]
     assert p.stdout.split() == [str(t) for t in s["tokens"]]
     for key in ("prefill_tokens", "prefill_s", "decode_tokens", "decode_s", "decode_tok_s", "forwards",
-                "expert_hits", "expert_misses", "bytes_read", "peak_rss_bytes"):
+                "expert_hits", "expert_misses", "bytes_read", "peak_rss_bytes", "drafts_proposed",
+                "drafts_accepted", "tokens_per_forward"):
         assert key in s
     assert s["prefill_tokens"] == 12 and s["decode_tokens"] == 20
     assert s["forwards"] == 20            # prefill + 19 decode steps (the last token is not forwarded)
@@ -57,6 +58,8 @@ def test_run_sampling_is_seeded(tmp_path):
     (["--prompt-ids", "3", "--top-p", "1.5"], "top-p"),
     (["--prompt-ids", "3", "--max-tokens", "5000"], "context"),
     (["some text"], "tokenizer"),
+    (["--prompt-ids", "3", "--draft", "99"], "--draft"),
+    (["--prompt-ids", "3", "--draft", "many"], "--draft"),
 ])
 def test_run_bad_input(args, msg):
     p = colibri("run", "--model", DATA / "tiny_dense", *args, check=False)
@@ -108,3 +111,15 @@ def test_fp8_checkpoint_converts_exactly(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_run_with_mtp_drafts(tmp_path):
+    stats = tmp_path / "s.json"
+    ref = json.loads((DATA / "tiny_mtp" / "ref.json").read_text())
+    prompt = ",".join(map(str, ref["prompt_ids"]))
+    p = colibri("run", "--model", DATA / "tiny_mtp", "--prompt-ids", prompt, "--max-tokens", 20,
+                "--temperature", 0, "--draft", 2, "--stats-json", stats)
+    s = json.loads(stats.read_text())
+    assert s["tokens"] == ref["full_ids"][len(ref["prompt_ids"]):]
+    assert s["drafts_proposed"] > 0
+    assert "tokens/forward" in p.stderr and "MTP head" in p.stderr
