@@ -38,6 +38,17 @@ cdef extern from "coli_kernels.h" nogil:
     float coli_dot_q8f32(const int8_t *w, const float *x, int n)
     float coli_dot_q4f32(const uint8_t *w, const float *x, int n)
     void coli_quantize_q8(const float *x, int n, int block, int8_t *q, float *xs)
+    float coli_rowdot2_i8(const int8_t *w, const int8_t *q1, const float *xs1, const int8_t *q2,
+                          const float *xs2, int n, int block)
+    float coli_rowdot2_i4(const uint8_t *w, const int8_t *q1, const float *xs1, const int8_t *q2,
+                          const float *xs2, int n, int block)
+    void coli_rowdot_i8_rows(const int8_t *w, const int8_t *q, long qstride, const float *xs, long sstride,
+                             int R, int n, int block, float *out)
+    void coli_rowdot_i4_rows(const uint8_t *w, const int8_t *q, long qstride, const float *xs, long sstride,
+                             int R, int n, int block, float *out)
+
+cdef extern from "coli_prefetch.h" nogil:
+    void coli_prefetch_row(const void *p, Py_ssize_t nbytes)
 
 cdef extern from "coli_threads.h" nogil:
     int coli_max_threads()
@@ -206,6 +217,46 @@ cdef enum:
     IDOT_Q8X2 = 2       # integer dots on int8 activations + their int8-quantized residual
 
 
+cdef enum:
+    PREFETCH_ROWS = 4   # weight rows prefetched ahead of the one being multiplied
+
+
+cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const float *xs, int nb, int blk,
+                         int idot, float *y) noexcept nogil:
+    """Output column o of an integer-path matmul for all S activation rows: y[s, o].
+    Several activation rows share each pass over the weight row (coli_rowdot_*_rows); every row's
+    value is bit-identical to a single-row call, so results never depend on S."""
+    cdef float r1[8]
+    cdef float r2[8]
+    cdef int s0, R, r, I = W.I, O = W.O
+    cdef const uint8_t *row = W.q + <Py_ssize_t>o * W.rb
+    cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb
+    if S == 1:
+        if W.fmt == FMT_I8:
+            r1[0] = (coli_rowdot2_i8(<const int8_t *>row, xq, xs, xq + off2, xs + soff2, I, blk)
+                     if idot == IDOT_Q8X2 else coli_rowdot_i8(<const int8_t *>row, xq, xs, I, blk))
+        else:
+            r1[0] = (coli_rowdot2_i4(row, xq, xs, xq + off2, xs + soff2, I, blk)
+                     if idot == IDOT_Q8X2 else coli_rowdot_i4(row, xq, xs, I, blk))
+        y[o] = r1[0] * W.s[o]
+        return
+    for s0 in range(0, S, 8):
+        R = S - s0 if S - s0 < 8 else 8
+        if W.fmt == FMT_I8:
+            coli_rowdot_i8_rows(<const int8_t *>row, xq + <Py_ssize_t>s0 * I, I, xs + <Py_ssize_t>s0 * nb, nb,
+                                R, I, blk, r1)
+            if idot == IDOT_Q8X2:
+                coli_rowdot_i8_rows(<const int8_t *>row, xq + off2 + <Py_ssize_t>s0 * I, I,
+                                    xs + soff2 + <Py_ssize_t>s0 * nb, nb, R, I, blk, r2)
+        else:
+            coli_rowdot_i4_rows(row, xq + <Py_ssize_t>s0 * I, I, xs + <Py_ssize_t>s0 * nb, nb, R, I, blk, r1)
+            if idot == IDOT_Q8X2:
+                coli_rowdot_i4_rows(row, xq + off2 + <Py_ssize_t>s0 * I, I, xs + soff2 + <Py_ssize_t>s0 * nb,
+                                    nb, R, I, blk, r2)
+        for r in range(R):
+            y[<Py_ssize_t>(s0 + r) * O + o] = ((r1[r] + r2[r]) if idot == IDOT_Q8X2 else r1[r]) * W.s[o]
+
+
 cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
                     int8_t *xq, float *xs, float *xr, int block, int idot) noexcept nogil:
     """y[S, O] = x[S, I] · Wᵀ. Each output element is computed by one thread, and a row's result
@@ -218,8 +269,6 @@ cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
     cdef int O = W.O, I = W.I
     cdef int o, s, nb, blk, i
     cdef Py_ssize_t off2
-    cdef const uint8_t *row
-    cdef float acc
     # Small products run on one thread: a parallel region costs more than it saves there.
     cdef int nt = 1 if <double>O * I * S < PARALLEL_MIN_MACS else coli_max_threads()
     if (W.fmt == FMT_I8 or W.fmt == FMT_I4) and idot != IDOT_FLOAT:
@@ -233,19 +282,9 @@ cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
                     xr[i] = x[<Py_ssize_t>s * I + i] - xs[<Py_ssize_t>s * nb + i // blk] * xq[<Py_ssize_t>s * I + i]
                 coli_quantize_q8(xr, I, blk, xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb)
         for o in prange(O, schedule='static', nogil=True, num_threads=nt):
-            row = W.q + <Py_ssize_t>o * W.rb
-            for s in range(S):
-                if W.fmt == FMT_I8:
-                    acc = coli_rowdot_i8(<const int8_t *>row, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb, I, blk)
-                    if idot == IDOT_Q8X2:
-                        acc = acc + coli_rowdot_i8(<const int8_t *>row, xq + off2 + <Py_ssize_t>s * I,
-                                                   xs + <Py_ssize_t>(S + s) * nb, I, blk)
-                else:
-                    acc = coli_rowdot_i4(row, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb, I, blk)
-                    if idot == IDOT_Q8X2:
-                        acc = acc + coli_rowdot_i4(row, xq + off2 + <Py_ssize_t>s * I,
-                                                   xs + <Py_ssize_t>(S + s) * nb, I, blk)
-                y[<Py_ssize_t>s * O + o] = acc * W.s[o]
+            if o + PREFETCH_ROWS < O:
+                coli_prefetch_row(W.q + <Py_ssize_t>(o + PREFETCH_ROWS) * W.rb, W.rb)
+            int_row(W, o, S, xq, xs, nb, blk, idot, y)
         return
     for o in prange(O, schedule='static', nogil=True, num_threads=nt):
         for s in range(S):

@@ -3,6 +3,13 @@
  *   coli_dot_i8i8_<isa>(w, x, n)            = sum_i w[i] * x[i]              (exact int32)
  *   coli_rowdot_i8_<isa>(w, xq, xs, n, blk) = sum_b xs[b] * (float)dot_b    (float, blocks in order)
  *
+ * Several activation rows against one weight row, in one pass over the weights (see the
+ * "multi-activation row dots" section at the end):
+ *   coli_rowdot2_i8_<isa>(w, q1, xs1, q2, xs2, n, blk)
+ *       = coli_rowdot_i8(w, q1, xs1, n, blk) + coli_rowdot_i8(w, q2, xs2, n, blk)   (one float add)
+ *   coli_rowdot_i8_rows_<isa>(w, q, qstride, xs, sstride, R, n, blk, out)
+ *       out[r] = coli_rowdot_i8(w, q + r*qstride, xs + r*sstride, n, blk),  r = 0..R-1
+ *
  * w[i] in [-128, 127], x[i] in [-127, 127]. Every product is <= 128*127 = 16256 in magnitude,
  * so the int32 result is exact for n <= 132104; the engine relies on n <= 65536 per block.
  *
@@ -38,6 +45,14 @@ static inline float coli_block_acc(float acc, float s, int32_t d)
 #endif
     return acc + p;
 }
+
+/* Forces inlining; the multi-row kernels are written for a row count G that is a compile-time
+ * constant after inlining, so their per-row arrays of vectors live in registers. */
+#if defined(__GNUC__)
+#define COLI_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define COLI_ALWAYS_INLINE inline
+#endif
 
 /* Length of the block structure used by all row dots and the quantizer: a non-positive block or
  * one that covers the row means "the whole row is a single block". */
@@ -231,6 +246,274 @@ COLI_AVX512 static inline float coli_rowdot_i8_avx512(const int8_t *w, const int
     }
     return acc;
 }
+#endif /* COLI_X86 */
+
+/* ============================== multi-activation row dots ==============================
+ *
+ * G activation rows against one weight row, reading the weights once: every weight vector is
+ * loaded (and, for int4, decoded) once and then used for all G rows, each with its own
+ * accumulators. The integer block dots are exact, so the order of the integer work is free; the
+ * float side is, per row, exactly the single-row kernel's: xs[b] * (float)dot_b, added block by
+ * block in order through coli_block_acc / coli_block_acc4. Hence out[r] is bit-identical to
+ * coli_rowdot_*_<isa>(w, q[r], xs[r], n, block), and so to every other ISA.
+ *
+ * The per-ISA core is coli_rowsg_<i8|i4>_<isa>(w, q[], xs[], G, n, block, out) for G = 1..4
+ * rows given as pointer arrays (SIMD: specialized per G so the per-row accumulators stay in
+ * registers, and G = 1 is the single-row kernel itself; scalar: rows in pairs, one fused loop per
+ * pair). The public entry points wrap it (COLI_ROWS_WRAPPERS):
+ *   coli_rowdot2_<i8|i4>_<isa>: two rows (the residual-quantized activation pair), returns
+ *       out[0] + out[1], i.e. the same single float add as rowdot(q1) + rowdot(q2);
+ *   coli_rowdot_<i8|i4>_rows_<isa>: R strided rows, in groups of up to 4 (the weight row is
+ *       streamed from memory once; later groups find it in L1/L2). Any R >= 0 works; the engine
+ *       uses R <= 8. out must not alias the inputs.
+ */
+#define COLI_ROWS_G 4 /* rows per group */
+
+#if defined(__GNUC__)
+#define COLI_UNROLL_G _Pragma("GCC unroll 4")
+#else
+#define COLI_UNROLL_G
+#endif
+
+/* rowdot2 and rows for one weight type (kind = i8 / i4, WT = its element type) and one ISA */
+#define COLI_ROWS_WRAPPERS(kind, WT, sfx, ATTR)                                                    \
+    ATTR static inline float coli_rowdot2_##kind##_##sfx(const WT *w, const int8_t *q1,            \
+                                                         const float *xs1, const int8_t *q2,       \
+                                                         const float *xs2, int n, int block)       \
+    {                                                                                              \
+        const int8_t *qp[2] = {q1, q2};                                                            \
+        const float *sp[2] = {xs1, xs2};                                                           \
+        float o[2];                                                                                \
+        coli_rowsg_##kind##_##sfx(w, qp, sp, 2, n, block, o);                                      \
+        return o[0] + o[1];                                                                        \
+    }                                                                                              \
+    ATTR static inline void coli_rowdot_##kind##_rows_##sfx(const WT *w, const int8_t *q,          \
+                                                           long qstride, const float *xs,          \
+                                                           long sstride, int R, int n, int block,  \
+                                                           float *out)                             \
+    {                                                                                              \
+        for (int r0 = 0; r0 < R; r0 += COLI_ROWS_G) {                                              \
+            int g = R - r0 < COLI_ROWS_G ? R - r0 : COLI_ROWS_G;                                   \
+            const int8_t *qp[COLI_ROWS_G];                                                         \
+            const float *sp[COLI_ROWS_G];                                                          \
+            for (int r = 0; r < g; r++) {                                                          \
+                qp[r] = q + (long)(r0 + r) * qstride;                                              \
+                sp[r] = xs + (long)(r0 + r) * sstride;                                             \
+            }                                                                                      \
+            coli_rowsg_##kind##_##sfx(w, qp, sp, g, n, block, out + r0);                           \
+        }                                                                                          \
+    }
+
+/* scalar: two rows per pass over a block, each weight loaded once for both (two exact int32 sums,
+ * the same integers as coli_dot_i8i8_scalar); an odd last row on its own */
+static inline void coli_dot2_i8i8_scalar(const int8_t *w, const int8_t *x1, const int8_t *x2, int n,
+                                         int32_t *d1, int32_t *d2)
+{
+    int32_t s1 = 0, s2 = 0;
+    for (int i = 0; i < n; i++) {
+        int32_t wi = w[i];
+        s1 += wi * (int32_t)x1[i];
+        s2 += wi * (int32_t)x2[i];
+    }
+    *d1 = s1;
+    *d2 = s2;
+}
+
+static inline void coli_rowsg_i8_scalar(const int8_t *w, const int8_t *const *q, const float *const *xs,
+                                        int G, int n, int block, float *out)
+{
+    block = coli_block_len(n, block);
+    for (int r = 0; r < G; r++)
+        out[r] = 0.0f;
+    for (int i = 0, b = 0; i < n; i += block, b++) {
+        int len = n - i < block ? n - i : block, r = 0;
+        for (; r + 2 <= G; r += 2) {
+            int32_t d1, d2;
+            coli_dot2_i8i8_scalar(w + i, q[r] + i, q[r + 1] + i, len, &d1, &d2);
+            out[r] = coli_block_acc(out[r], xs[r][b], d1);
+            out[r + 1] = coli_block_acc(out[r + 1], xs[r + 1][b], d2);
+        }
+        if (r < G)
+            out[r] = coli_block_acc(out[r], xs[r][b], coli_dot_i8i8_scalar(w + i, q[r] + i, len));
+    }
+}
+COLI_ROWS_WRAPPERS(i8, int8_t, scalar, )
+
+#if COLI_X86
+/* ---------------------------------------- AVX2 ---------------------------------------- */
+
+/* The sign trick of coli_i8x32_dot_avx2 with |w| computed once: 32 products of w (given as w and
+ * aw = |w|) and x, summed into 8 int32 lanes. */
+COLI_AVX2 static inline __m256i coli_i8x32_dot_aw_avx2(__m256i aw, __m256i w, const int8_t *x)
+{
+    __m256i pairs = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), w));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* G (1..4, a constant after inlining) rows. Block-64 fast path: per 4 blocks, each row's four
+ * block vectors are folded pairwise with hadd as they are produced (hadd(hadd(a,b), hadd(c,d)) is
+ * coli_hsum4_i32_avx2), which keeps the live registers at about 3 per row. Other blocks: one
+ * int32 accumulator per row, reduced for all rows at once with coli_hsum4_i32_avx2; the < 32
+ * element tail of a block is done per row by coli_dot_i8i8_avx2 (the bytes are in L1 by then). */
+COLI_AVX2 static COLI_ALWAYS_INLINE void coli_rowsg_i8_avx2_k(const int8_t *w, const int8_t *const *q,
+                                                              const float *const *xs, const int G,
+                                                              int n, int block, float *out)
+{
+    float acc[COLI_ROWS_G] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int i = 0, b = 0;
+    block = coli_block_len(n, block);
+    if (block == 64)
+        for (; i + 256 <= n; i += 256, b += 4) {
+            __m256i t[COLI_ROWS_G], h01[COLI_ROWS_G], h23[COLI_ROWS_G];
+            COLI_UNROLL_G
+            for (int k = 0; k < 4; k++) {
+                const int8_t *wk = w + i + 64 * k;
+                __m256i w0 = _mm256_loadu_si256((const __m256i *)wk);
+                __m256i w1 = _mm256_loadu_si256((const __m256i *)(wk + 32));
+                __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+                COLI_UNROLL_G
+                for (int r = 0; r < G; r++) {
+                    const int8_t *x = q[r] + i + 64 * k;
+                    __m256i d = _mm256_add_epi32(coli_i8x32_dot_aw_avx2(a0, w0, x),
+                                                 coli_i8x32_dot_aw_avx2(a1, w1, x + 32));
+                    if (k == 0 || k == 2)
+                        t[r] = d;
+                    else if (k == 1)
+                        h01[r] = _mm256_hadd_epi32(t[r], d);
+                    else
+                        h23[r] = _mm256_hadd_epi32(t[r], d);
+                }
+            }
+            COLI_UNROLL_G
+            for (int r = 0; r < G; r++) {
+                __m256i s = _mm256_hadd_epi32(h01[r], h23[r]);
+                __m128i d4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                acc[r] = coli_block_acc4(acc[r], xs[r] + b, d4);
+            }
+        }
+    for (; i < n; i += block, b++) {
+        int len = n - i < block ? n - i : block, j = 0;
+        __m256i a[COLI_ROWS_G];
+        COLI_UNROLL_G
+        for (int r = 0; r < COLI_ROWS_G; r++)
+            a[r] = _mm256_setzero_si256();
+        for (; j + 32 <= len; j += 32) {
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + i + j)), aw = _mm256_abs_epi8(wv);
+            COLI_UNROLL_G
+            for (int r = 0; r < G; r++)
+                a[r] = _mm256_add_epi32(a[r], coli_i8x32_dot_aw_avx2(aw, wv, q[r] + i + j));
+        }
+        int32_t d[COLI_ROWS_G];
+        _mm_storeu_si128((__m128i *)d, coli_hsum4_i32_avx2(a[0], a[1], a[2], a[3]));
+        COLI_UNROLL_G
+        for (int r = 0; r < G; r++) {
+            if (j < len)
+                d[r] += coli_dot_i8i8_avx2(w + i + j, q[r] + i + j, len - j);
+            acc[r] = coli_block_acc(acc[r], xs[r][b], d[r]);
+        }
+    }
+    COLI_UNROLL_G
+    for (int r = 0; r < G; r++)
+        out[r] = acc[r];
+}
+
+COLI_AVX2 static inline void coli_rowsg_i8_avx2(const int8_t *w, const int8_t *const *q, const float *const *xs,
+                                                int G, int n, int block, float *out)
+{
+    switch (G) {
+    case 1: out[0] = coli_rowdot_i8_avx2(w, q[0], xs[0], n, block); break;
+    case 2: coli_rowsg_i8_avx2_k(w, q, xs, 2, n, block, out); break;
+    case 3: coli_rowsg_i8_avx2_k(w, q, xs, 3, n, block, out); break;
+    case 4: coli_rowsg_i8_avx2_k(w, q, xs, 4, n, block, out); break;
+    default: break;
+    }
+}
+COLI_ROWS_WRAPPERS(i8, int8_t, avx2, COLI_AVX2)
+
+/* ------------------------------------- AVX-512 VNNI ------------------------------------- */
+
+/* G (1..4) rows. Per 64 weights: one load, the sign mask and |w| once, then per row a masked
+ * negate of x and one vpdpbusd. Block-64 fast path: 4 blocks x G rows of accumulators (16 zmm
+ * at most), reduced per row with coli_hsum4_i32_avx512. Other blocks: one accumulator per row,
+ * reduced for all rows at once; the block tail uses masked loads (weights once, x per row). */
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_rowsg_i8_avx512_k(const int8_t *w, const int8_t *const *q,
+                                                                  const float *const *xs, const int G,
+                                                                  int n, int block, float *out)
+{
+    const __m512i z = _mm512_setzero_si512();
+    float acc[COLI_ROWS_G] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int i = 0, b = 0;
+    block = coli_block_len(n, block);
+    if (block == 64)
+        for (; i + 256 <= n; i += 256, b += 4) {
+            __m512i d[COLI_ROWS_G][4];
+            COLI_UNROLL_G
+            for (int k = 0; k < 4; k++) {
+                __m512i wv = _mm512_loadu_si512(w + i + 64 * k);
+                __mmask64 wneg = _mm512_movepi8_mask(wv);
+                __m512i aw = _mm512_abs_epi8(wv);
+                COLI_UNROLL_G
+                for (int r = 0; r < G; r++) {
+                    __m512i x = _mm512_loadu_si512(q[r] + i + 64 * k);
+                    d[r][k] = _mm512_dpbusd_epi32(z, aw, _mm512_mask_sub_epi8(x, wneg, z, x));
+                }
+            }
+            COLI_UNROLL_G
+            for (int r = 0; r < G; r++)
+                acc[r] = coli_block_acc4(acc[r], xs[r] + b,
+                                         coli_hsum4_i32_avx512(d[r][0], d[r][1], d[r][2], d[r][3]));
+        }
+    for (; i < n; i += block, b++) {
+        int len = n - i < block ? n - i : block, j = 0;
+        __m512i a[COLI_ROWS_G];
+        COLI_UNROLL_G
+        for (int r = 0; r < COLI_ROWS_G; r++)
+            a[r] = z;
+        for (; j + 64 <= len; j += 64) {
+            __m512i wv = _mm512_loadu_si512(w + i + j);
+            __mmask64 wneg = _mm512_movepi8_mask(wv);
+            __m512i aw = _mm512_abs_epi8(wv);
+            COLI_UNROLL_G
+            for (int r = 0; r < G; r++) {
+                __m512i x = _mm512_loadu_si512(q[r] + i + j);
+                a[r] = _mm512_dpbusd_epi32(a[r], aw, _mm512_mask_sub_epi8(x, wneg, z, x));
+            }
+        }
+        if (j < len) { /* masked: lanes past the block end read as 0 and are never touched */
+            __mmask64 m = ~0ULL >> (64 - (len - j));
+            __m512i wv = _mm512_maskz_loadu_epi8(m, w + i + j);
+            __mmask64 wneg = _mm512_movepi8_mask(wv);
+            __m512i aw = _mm512_abs_epi8(wv);
+            COLI_UNROLL_G
+            for (int r = 0; r < G; r++) {
+                __m512i x = _mm512_maskz_loadu_epi8(m, q[r] + i + j);
+                a[r] = _mm512_dpbusd_epi32(a[r], aw, _mm512_mask_sub_epi8(x, wneg, z, x));
+            }
+        }
+        int32_t d[COLI_ROWS_G];
+        _mm_storeu_si128((__m128i *)d, coli_hsum4_i32_avx512(a[0], a[1], a[2], a[3]));
+        COLI_UNROLL_G
+        for (int r = 0; r < G; r++)
+            acc[r] = coli_block_acc(acc[r], xs[r][b], d[r]);
+    }
+    COLI_UNROLL_G
+    for (int r = 0; r < G; r++)
+        out[r] = acc[r];
+}
+
+COLI_AVX512 static inline void coli_rowsg_i8_avx512(const int8_t *w, const int8_t *const *q,
+                                                    const float *const *xs, int G, int n, int block,
+                                                    float *out)
+{
+    switch (G) {
+    case 1: out[0] = coli_rowdot_i8_avx512(w, q[0], xs[0], n, block); break;
+    case 2: coli_rowsg_i8_avx512_k(w, q, xs, 2, n, block, out); break;
+    case 3: coli_rowsg_i8_avx512_k(w, q, xs, 3, n, block, out); break;
+    case 4: coli_rowsg_i8_avx512_k(w, q, xs, 4, n, block, out); break;
+    default: break;
+    }
+}
+COLI_ROWS_WRAPPERS(i8, int8_t, avx512, COLI_AVX512)
 #endif /* COLI_X86 */
 
 #endif /* COLI_DOT_I8_H */

@@ -15,8 +15,9 @@
  *     kernels. Each entry point costs one indirect call and nothing else.
  *   - The table is static: each translation unit that includes this header has its own copy.
  *
- * Results: the integer dots are exact and identical on every ISA; coli_rowdot_* and
- * coli_quantize_q8 are bit-identical on every ISA; the float dots agree up to rounding only.
+ * Results: the integer dots are exact and identical on every ISA; coli_rowdot_*, coli_rowdot2_*,
+ * coli_rowdot_*_rows and coli_quantize_q8 are bit-identical on every ISA (and the multi-activation
+ * row dots to the equivalent single-row calls); the float dots agree up to rounding only.
  */
 #ifndef COLI_KERNELS_H
 #define COLI_KERNELS_H
@@ -38,12 +39,21 @@ typedef struct coli_kernel_table {
     float (*dot_q8f32)(const int8_t *w, const float *x, int n);
     float (*dot_q4f32)(const uint8_t *w_packed, const float *x, int n);
     void (*quantize_q8)(const float *x, int n, int block, int8_t *q, float *xs);
+    float (*rowdot2_i8)(const int8_t *w, const int8_t *q1, const float *xs1, const int8_t *q2,
+                        const float *xs2, int n, int block);
+    float (*rowdot2_i4)(const uint8_t *w_packed, const int8_t *q1, const float *xs1, const int8_t *q2,
+                        const float *xs2, int n, int block);
+    void (*rowdot_i8_rows)(const int8_t *w, const int8_t *q, long qstride, const float *xs, long sstride,
+                           int R, int n, int block, float *out);
+    void (*rowdot_i4_rows)(const uint8_t *w_packed, const int8_t *q, long qstride, const float *xs,
+                           long sstride, int R, int n, int block, float *out);
 } coli_kernel_table;
 
 #define COLI_KERNEL_TABLE(isa, sfx)                                                       \
     { isa, coli_dot_i8i8_##sfx, coli_dot_i4i8_##sfx, coli_rowdot_i8_##sfx,               \
       coli_rowdot_i4_##sfx, coli_dot_f32_##sfx, coli_dot_q8f32_##sfx, coli_dot_q4f32_##sfx, \
-      coli_quantize_q8_##sfx }
+      coli_quantize_q8_##sfx, coli_rowdot2_i8_##sfx, coli_rowdot2_i4_##sfx,                  \
+      coli_rowdot_i8_rows_##sfx, coli_rowdot_i4_rows_##sfx }
 
 static const coli_kernel_table coli_kernels_by_isa[] = {
     COLI_KERNEL_TABLE(COLI_ISA_SCALAR, scalar),
@@ -129,6 +139,36 @@ static inline float coli_rowdot_i8(const int8_t *w, const int8_t *xq, const floa
 static inline float coli_rowdot_i4(const uint8_t *w_packed, const int8_t *xq, const float *xs, int n, int block)
 {
     return coli_kt.rowdot_i4(w_packed, xq, xs, n, block);
+}
+
+/* Two activation vectors (e.g. a row quantized as q1 and its quantized residual q2) against one
+ * weight row in one pass over the weights. Bit-identical to
+ *   coli_rowdot_i8(w, q1, xs1, n, block) + coli_rowdot_i8(w, q2, xs2, n, block). */
+static inline float coli_rowdot2_i8(const int8_t *w, const int8_t *q1, const float *xs1, const int8_t *q2,
+                                    const float *xs2, int n, int block)
+{
+    return coli_kt.rowdot2_i8(w, q1, xs1, q2, xs2, n, block);
+}
+
+static inline float coli_rowdot2_i4(const uint8_t *w_packed, const int8_t *q1, const float *xs1,
+                                    const int8_t *q2, const float *xs2, int n, int block)
+{
+    return coli_kt.rowdot2_i4(w_packed, q1, xs1, q2, xs2, n, block);
+}
+
+/* R activation rows (meant for R <= 8; any R >= 0 works) against one weight row in one pass over
+ * the weights: out[r] = coli_rowdot_i8(w, q + r*qstride, xs + r*sstride, n, block), bit-identical.
+ * qstride is in int8 elements, sstride in floats; out must not alias the inputs. */
+static inline void coli_rowdot_i8_rows(const int8_t *w, const int8_t *q, long qstride, const float *xs,
+                                       long sstride, int R, int n, int block, float *out)
+{
+    coli_kt.rowdot_i8_rows(w, q, qstride, xs, sstride, R, n, block, out);
+}
+
+static inline void coli_rowdot_i4_rows(const uint8_t *w_packed, const int8_t *q, long qstride,
+                                       const float *xs, long sstride, int R, int n, int block, float *out)
+{
+    coli_kt.rowdot_i4_rows(w_packed, q, qstride, xs, sstride, R, n, block, out);
 }
 
 static inline float coli_dot_f32(const float *a, const float *b, int n)

@@ -7,8 +7,12 @@
  *   - integer dots must equal an independent int64 reference exactly;
  *   - row dots and the quantizer must be bit-identical to the scalar variant (and the row dots
  *     close to a double reference);
- *   - float dots must be within REL_TOL * sum|a_i*b_i| of a double reference.
- * Every input buffer ends right before a PROT_NONE page, so a read past the end crashes.
+ *   - float dots must be within REL_TOL * sum|a_i*b_i| of a double reference;
+ *   - the multi-activation row dots (coli_rowdot2_*, coli_rowdot_*_rows, R = 1..8, strides larger
+ *     than n) must be bit-identical to the equivalent single-row calls, on the active ISA and on
+ *     the scalar one, and must not write past out[R-1].
+ * Every input buffer ends right before a PROT_NONE page, so a read past the end crashes (for the
+ * strided rows: the last row's activations and scales end at the page).
  * Exit status 0 on success.
  */
 #define _DEFAULT_SOURCE /* MAP_ANONYMOUS, clock_gettime under -std=c99 */
@@ -292,12 +296,105 @@ static void check_all(int isa, bufs *b)
     }
 }
 
+/* Multi-activation row dots on the active ISA: up to MR strided activation rows. */
+enum { MR = 8 };
+
+static void fill_q(int8_t *q, size_t len, int mode)
+{
+    for (size_t i = 0; i < len; i++)
+        q[i] = mode == FILL_EXTREME_POS ? -127 : mode == FILL_EXTREME_NEG ? 127
+                                                : (int8_t)((int)(rnd() % 255) - 127);
+}
+
+static void check_multi(int isa, bufs *b, int mode, int rmask)
+{
+    int n = b->n;
+    const int blocks[] = {64, 128, 192, n, n + 1000, 0};
+    for (size_t k = 0; k < sizeof blocks / sizeof blocks[0]; k++) {
+        int blk = blocks[k];
+        if (n > 65536 && (blk <= 0 || blk >= n))
+            continue;
+        int bl = coli_block_len(n, blk), nbk = (n + bl - 1) / bl;
+        /* two stride settings, both larger than the row: odd (misaligned rows) and padded */
+        for (int st = 0; st < 2; st++) {
+            long qstride = st ? n + 64 : n + 13, sstride = st ? nbk + 16 : nbk + 3;
+            size_t qlen = (size_t)(MR - 1) * qstride + n, slen = (size_t)(MR - 1) * sstride + nbk;
+            int8_t *qbuf = galloc(qlen);
+            float *sbuf = galloc(sizeof(float) * slen);
+            float *out = malloc(sizeof(float) * (MR + 1));
+            fill_q(qbuf, qlen, mode);
+            for (size_t i = 0; i < slen; i++)
+                sbuf[i] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
+
+            /* rowdot2: q1/xs1 = the bufs row, q2/xs2 = the last row of qbuf/sbuf (guard-ended) */
+            const int8_t *q2 = qbuf + qlen - n;
+            const float *s2 = sbuf + slen - nbk;
+            float w8a = coli_rowdot_i8(b->w8, b->x8, b->xs, n, blk), w8b = coli_rowdot_i8(b->w8, q2, s2, n, blk);
+            float w4a = coli_rowdot_i4(b->w4, b->x8, b->xs, n, blk), w4b = coli_rowdot_i4(b->w4, q2, s2, n, blk);
+            float e8 = w8a + w8b, e4 = w4a + w4b;
+            float sc8 = coli_rowdot_i8_scalar(b->w8, b->x8, b->xs, n, blk) + coli_rowdot_i8_scalar(b->w8, q2, s2, n, blk);
+            float sc4 = coli_rowdot_i4_scalar(b->w4, b->x8, b->xs, n, blk) + coli_rowdot_i4_scalar(b->w4, q2, s2, n, blk);
+            float g8 = coli_rowdot2_i8(b->w8, b->x8, b->xs, q2, s2, n, blk);
+            float g4 = coli_rowdot2_i4(b->w4, b->x8, b->xs, q2, s2, n, blk);
+            CHECK(same_bits(g8, e8) && same_bits(g8, sc8), "rowdot2_i8 isa=%d n=%d block=%d got %.9g want %.9g (scalar %.9g)",
+                  isa, n, blk, g8, e8, sc8);
+            CHECK(same_bits(g4, e4) && same_bits(g4, sc4), "rowdot2_i4 isa=%d n=%d block=%d got %.9g want %.9g (scalar %.9g)",
+                  isa, n, blk, g4, e4, sc4);
+            /* swapped operands, and q1 == q2 */
+            g8 = coli_rowdot2_i8(b->w8, q2, s2, b->x8, b->xs, n, blk);
+            g4 = coli_rowdot2_i4(b->w4, q2, s2, b->x8, b->xs, n, blk);
+            CHECK(same_bits(g8, w8b + w8a), "rowdot2_i8 swapped isa=%d n=%d block=%d", isa, n, blk);
+            CHECK(same_bits(g4, w4b + w4a), "rowdot2_i4 swapped isa=%d n=%d block=%d", isa, n, blk);
+            g8 = coli_rowdot2_i8(b->w8, q2, s2, q2, s2, n, blk);
+            g4 = coli_rowdot2_i4(b->w4, q2, s2, q2, s2, n, blk);
+            CHECK(same_bits(g8, w8b + w8b), "rowdot2_i8 same isa=%d n=%d block=%d", isa, n, blk);
+            CHECK(same_bits(g4, w4b + w4b), "rowdot2_i4 same isa=%d n=%d block=%d", isa, n, blk);
+
+            /* rows: R rows placed so that the last one ends at the guard page */
+            for (int R = 1; R <= MR; R++) {
+                if (!(rmask >> R & 1))
+                    continue;
+                const int8_t *q = qbuf + qlen - ((size_t)(R - 1) * qstride + n);
+                const float *xs = sbuf + slen - ((size_t)(R - 1) * sstride + nbk);
+                for (int t = 0; t < 2; t++) { /* t = 0: int8 weights, 1: int4 */
+                    for (int r = 0; r <= MR; r++)
+                        out[r] = -12345.0f;
+                    if (t == 0)
+                        coli_rowdot_i8_rows(b->w8, q, qstride, xs, sstride, R, n, blk, out);
+                    else
+                        coli_rowdot_i4_rows(b->w4, q, qstride, xs, sstride, R, n, blk, out);
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *qr = q + (size_t)r * qstride;
+                        const float *sr = xs + (size_t)r * sstride;
+                        float want = t ? coli_rowdot_i4(b->w4, qr, sr, n, blk) : coli_rowdot_i8(b->w8, qr, sr, n, blk);
+                        float sc = t ? coli_rowdot_i4_scalar(b->w4, qr, sr, n, blk)
+                                     : coli_rowdot_i8_scalar(b->w8, qr, sr, n, blk);
+                        CHECK(same_bits(out[r], want) && same_bits(out[r], sc),
+                              "rowdot_%s_rows isa=%d n=%d block=%d R=%d r=%d qstride=%ld got %.9g want %.9g (scalar %.9g)",
+                              t ? "i4" : "i8", isa, n, blk, R, r, qstride, out[r], want, sc);
+                    }
+                    CHECK(out[R] == -12345.0f, "rowdot_%s_rows wrote out[%d] isa=%d n=%d R=%d", t ? "i4" : "i8", R,
+                          isa, n, R);
+                }
+            }
+            free(out);
+            gfree(sbuf, sizeof(float) * slen);
+            gfree(qbuf, qlen);
+        }
+    }
+}
+
+#define ALL_R 0x1FE /* R = 1..8 */
+
 static void run_size(int isa, int n, int modes)
 {
     bufs b = balloc(n);
+    /* every R up to 16385 elements; beyond that R = 1, 2, 4, 5, 8 */
+    int rmask = n <= 16385 ? ALL_R : (1 << 1 | 1 << 2 | 1 << 4 | 1 << 5 | 1 << 8);
     for (int mode = 0; mode < modes; mode++) {
         fill(&b, mode);
         check_all(isa, &b);
+        check_multi(isa, &b, mode, rmask);
     }
     bfree(&b);
 }
@@ -316,6 +413,22 @@ static void run_i4_limit(int isa)
         r = ref_i4(b.w4, b.x8, n);
         CHECK(coli_dot_i4i8(b.w4, b.x8, n) == r, "dot_i4i8 limit(+7) isa=%d got %d want %lld", isa,
               coli_dot_i4i8(b.w4, b.x8, n), (long long)r);
+        /* the multi-activation int4 dots at the limit, one whole-row block and 64-blocks; stride 0
+         * (R copies of the same row) also covers aliased rows */
+        for (int w = 0; w < 2; w++) {
+            if (w)
+                memset(b.w4, 0x00, (size_t)b.nb4); /* back to v = -8 */
+            for (int blk = 0; blk <= 64; blk += 64) {
+                float one = coli_rowdot_i4(b.w4, b.x8, b.xs, n, blk), out[MR + 1];
+                float sc = coli_rowdot_i4_scalar(b.w4, b.x8, b.xs, n, blk);
+                CHECK(same_bits(one, sc), "rowdot_i4 limit isa=%d block=%d", isa, blk);
+                CHECK(same_bits(coli_rowdot2_i4(b.w4, b.x8, b.xs, b.x8, b.xs, n, blk), one + one),
+                      "rowdot2_i4 limit isa=%d block=%d", isa, blk);
+                coli_rowdot_i4_rows(b.w4, b.x8, 0, b.xs, 0, MR, n, blk, out);
+                for (int k = 0; k < MR; k++)
+                    CHECK(same_bits(out[k], one), "rowdot_i4_rows limit isa=%d block=%d r=%d", isa, blk, k);
+            }
+        }
     }
     fill(&b, FILL_RANDOM);
     check_all(isa, &b);
@@ -398,7 +511,8 @@ int main(int argc, char **argv)
         for (size_t k = 0; k < sizeof big / sizeof big[0]; k++)
             run_size(isa, big[k], big[k] == 65536 ? 3 : 5);
         run_i4_limit(isa);
-        printf("%-11s %s  (%ld checks; n = 1..300 + %d larger sizes up to 65536, int4 also 2^20)\n",
+        printf("%-11s %s  (%ld checks; n = 1..300 + %d larger sizes up to 65536, int4 also 2^20;\n"
+               "                  rowdot2 and rows with R = 1..8 included)\n",
                coli_isa_name(isa), g_fail == before ? "ok  " : "FAIL", g_checks - checks0,
                (int)(sizeof big / sizeof big[0]));
         printf("            float dots, worst |err|/sum|ab|: f32 %.2e  q8f32 %.2e  q4f32 %.2e\n",

@@ -1,0 +1,18 @@
+/* Software prefetch of a weight row a few rows ahead of the one being multiplied: the matmul loop
+ * walks rows in order, and streaming int8/int4 rows from RAM otherwise stalls on each one.
+ * Always inlined: GCC may drop a call to an out-of-line function whose only effect is prefetching. */
+#ifndef COLI_PREFETCH_H
+#define COLI_PREFETCH_H
+#include <stddef.h>
+
+static inline __attribute__((always_inline)) void coli_prefetch_row(const void *p, ptrdiff_t nbytes)
+{
+#if defined(__GNUC__)
+    const char *c = (const char *)p;
+    for (ptrdiff_t off = 0; off < nbytes; off += 64)
+        __builtin_prefetch(c + off, 0, 0);
+#else
+    (void)p; (void)nbytes;
+#endif
+}
+#endif
