@@ -63,6 +63,21 @@ def test_greedy_drafts_lossless_on_int4_container(int4_dsa):
             assert _decode(m, prompt, 64, depth)[0] == plain
 
 
+@pytest.mark.parametrize("name,bits", [("tiny_dense", 8), ("tiny_mtp", 4)])
+def test_greedy_drafts_lossless_on_containers(tmp_path, name, bits):
+    """int8 container with n-gram drafts; int4 container with its int8 MTP head drafting."""
+    convert(DATA / name, tmp_path, ConvertOptions(expert_bits=bits, dense_bits=bits, io_bits=8), verbose=False)
+    m = model_init(tmp_path)
+    assert m.has_mtp == (name == "tiny_mtp")
+    proposed = 0
+    for prompt in _prompts(20, seed=4):
+        plain, _ = _decode(m, prompt, 64, 0)
+        spec, pol = _decode(m, prompt, 64, 3)
+        assert spec == plain
+        proposed += pol.proposed
+    assert proposed > 0
+
+
 def test_verify_rows_equal_single_row_decode(int4_dsa):
     m = model_init(int4_dsa)
     ids = _prompts(1, seed=3)[0] + [5, 6, 7, 8, 9]
