@@ -825,7 +825,7 @@ cdef class Model:
     def _work(self, int S, int T):
         """Scratch buffers for a forward of S rows over T keys (kept while the sizes fit)."""
         cdef Work ws = self._ws
-        if ws is not None and S <= ws.S and T <= ws.T:
+        if ws is not None and S <= ws.S and T <= ws.T and coli_max_threads() <= ws.tbuf.shape[0]:
             return ws
         if ws is not None:
             S = max(S, ws.S)
