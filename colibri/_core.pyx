@@ -830,6 +830,7 @@ cdef class Model:
         if ws is not None:
             S = max(S, ws.S)
             T = max(T, ws.T)
+        T = max(T, self.max_t)          # size for the whole context at once: decode grows T by 1
         ws = Work(self.cfg, S, T, self.has_dsa, self.absorb != 1)
         self._ws = ws
         return ws
