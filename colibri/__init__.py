@@ -8,6 +8,12 @@ import sys as _sys
 
 __version__ = "0.1.0"
 
+# OpenMP threads sleep at barriers instead of spinning (as colibrì's glm.c does): on a machine whose
+# cores are also busy with other work, spinning threads wait for descheduled peers and decode slows
+# down a hundredfold (measured here: 0.7 vs 120 tok/s on the bench fixture while another process
+# trained a model). libgomp reads this when the extension loads it, so it is set before that.
+_os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
 
 def _find_installed_extension():
     """When colibri is imported from a source checkout (e.g. ``python -m colibri`` run in the

@@ -208,8 +208,9 @@ cdef inline int act_nblocks(int I, int block) noexcept nogil:
     return (I + block - 1) // block
 
 
-# Multiply-adds below which a matmul (or an attention call) stays on one thread.
-cdef double PARALLEL_MIN_MACS = 65536
+# Multiply-adds below which a matmul (or an attention call) stays on one thread: waking a thread
+# team costs more than it saves for the small, memory-bound products of single-token decode.
+cdef double PARALLEL_MIN_MACS = float(os.environ.get("COLIBRI_PARALLEL_MIN_MACS", 4 << 20))
 
 cdef enum:
     IDOT_FLOAT = 0      # dequant-on-use float dots (exact up to f32 summation order)
