@@ -600,6 +600,7 @@ cdef class Model:
     cdef public QT eh_proj
     cdef public object enorm, hnorm, mtp_norm
     cdef public bint mtp_absorb_prefill           # step() teaches the MTP KV the prompt's pairs
+    cdef public int mtp_next                      # MTP KV rows kv_start..mtp_next-1 hold true pairs
     # Residual stream (before the final norm) of the last forward: all rows, and the last row
     cdef public object h_all, hlast
     cdef public object mtp_logits                 # draft logits of the last mtp_draft chain
@@ -818,6 +819,7 @@ cdef class Model:
         self.Lc = [np.zeros((max_t, c.kv_lora), np.float32) for _ in range(nrows)]
         self.Rc = [np.zeros((max_t, c.qk_rope), np.float32) for _ in range(nrows)]
         self.kv_start = [0] * c.n_layers + [-1] * (nrows - c.n_layers)
+        self.mtp_next = 0
         self.Ic = [np.zeros((max_t, c.index_hd), np.float32) if (self.has_dsa and c.idx_full[i]) else None
                    for i in range(c.n_layers)]
 
@@ -1182,6 +1184,7 @@ cdef class Model:
             tok = int(np.argmax(logits[0]))
             drafts.append(tok)
             h = hx[0]
+        self.mtp_next = kv                # row kv-1 now holds the true pair; later rows are speculative
         return drafts
 
     def _mtp_logits(self, hx):
@@ -1202,8 +1205,10 @@ cdef class Model:
         for i in range(S):
             hx[i] = self._mtp_input(int(next_ids[i]), x[i], True)[0]
         self.layer_forward(self.mtp, hx, S, pos_base)
+        self.mtp_next = pos_base + S
 
-    def spec_decode(self, ids, int kv, int n_new, logits, Sampler sampler, policy=None, stops=(), emit=None):
+    def spec_decode(self, ids, int kv, int n_new, logits, Sampler sampler, policy=None, stops=(), emit=None,
+                    trace=None):
         """Generate up to n_new tokens with speculative decoding (spec §6.8).
 
         ids: the token history (a list; ids[:kv] are in the KV cache and are extended in place);
@@ -1212,7 +1217,8 @@ cdef class Model:
         verifies [token, drafts] in one batched forward and accepts the longest agreeing prefix:
         greedy by exact argmax; sampled by the rejection rule for a point-mass draft (accept with
         probability p(draft), else resample from p with the draft banned), which is lossless.
-        Returns (emitted tokens, kv). Stops (not emitted) on a token in ``stops``."""
+        Returns (emitted tokens, kv). Stops (not emitted) on a token in ``stops``. ``trace``, a list,
+        receives (kv, token, drafts) for every iteration that drafted."""
         from .draft import DraftPolicy
         if policy is None:
             policy = DraftPolicy(0)
@@ -1221,9 +1227,20 @@ cdef class Model:
         del ids[kv:]
         stops = set(stops)
         cdef bint greedy = sampler.temperature <= 0
-        cdef int carry_ban = -1, g, k, nxt, d
+        cdef int carry_ban = -1, g, k, nxt, d, i
         out = []
         self.mtp_absorb_prefill = False
+        # MTP context, absorbed lazily: residual rows of positions whose (token, hidden) pair is not
+        # yet in the MTP KV. Iterations without drafts cost nothing for the head; before the next
+        # draft the missing rows are absorbed in one batched pass, so its context is always exact.
+        pending = {}
+        if self.has_mtp and not policy.off:
+            if self.h_all is not None and len(self.h_all) == kv and self.mtp_next == 0:
+                pending = {p: self.h_all[p] for p in range(kv)}
+                self.mtp_next = 0
+            elif self.mtp_next < kv - 1:
+                self.kv_start[self.cfg.n_layers] = -1      # unknown history: start the window afresh
+                self.mtp_next = kv - 1
         while len(out) < n_new:
             nxt = sampler.pick_tok(logits, carry_ban)
             carry_ban = -1
@@ -1238,9 +1255,18 @@ cdef class Model:
             t0 = time.perf_counter()
             d = policy.depth()
             drafts = []
-            if d > 0:
-                drafts = self.mtp_draft(nxt, kv, d) if self.has_mtp else ngram_draft(ids, d)
+            if d > 0 and self.has_mtp:
+                if self.mtp_next < kv - 1:
+                    rows = range(self.mtp_next, kv - 1)
+                    self.mtp_absorb(ids[self.mtp_next + 1:kv], np.stack([pending[p] for p in rows]), self.mtp_next)
+                for p in [p for p in pending if p < kv]:
+                    del pending[p]
+                drafts = self.mtp_draft(nxt, kv, d)
+            elif d > 0:
+                drafts = ngram_draft(ids, d)
             proposed = len(drafts)
+            if trace is not None and drafts:
+                trace.append((kv, nxt, list(drafts)))
             g = min(len(drafts), n_new - len(out), self.max_t - kv - 2)
             drafts = drafts[:max(g, 0)]
             g = len(drafts)
@@ -1268,8 +1294,11 @@ cdef class Model:
                 if emit is not None:
                     emit(drafts[k])
                 k += 1
-            if self.has_mtp and k >= 1:
-                self.mtp_absorb(ids[kv + 1:kv + 1 + k], h_all[:k], kv)
+            if self.has_mtp and d > 0 and k >= 1:
+                self.mtp_absorb(ids[kv + 1:kv + 1 + k], h_all[:k], kv)   # rows kv..kv+k-1
+            if self.has_mtp and not policy.off:
+                for i in range(k if (d > 0 and k >= 1) else 0, k + 1):
+                    pending[kv + i] = np.array(h_all[i], copy=True)
             self.hlast = np.array(h_all[k], copy=True)
             kv += 1 + k
             logits = lo[k]
