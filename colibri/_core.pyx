@@ -1235,9 +1235,8 @@ cdef class Model:
         # draft the missing rows are absorbed in one batched pass, so its context is always exact.
         pending = {}
         if self.has_mtp and not policy.off:
-            if self.h_all is not None and len(self.h_all) == kv and self.mtp_next == 0:
-                pending = {p: self.h_all[p] for p in range(kv)}
-                self.mtp_next = 0
+            if self.h_all is not None and len(self.h_all) == kv:      # the prefill's residual rows
+                pending = {p: self.h_all[p] for p in range(self.mtp_next, kv)}
             elif self.mtp_next < kv - 1:
                 self.kv_start[self.cfg.n_layers] = -1      # unknown history: start the window afresh
                 self.mtp_next = kv - 1

@@ -42,7 +42,7 @@ class DraftPolicy:
     """Chooses the draft depth of each speculative-decoding iteration and keeps the counters."""
 
     def __init__(self, mode="auto", max_depth: int = MAX_AUTO_DEPTH, ema: float = 0.3,
-                 first_probe_gap: int = 8, max_probe_gap: int = 256):
+                 first_probe_gap: int = 64, max_probe_gap: int = 1024):
         self.mode = parse_draft(mode)
         self.max_depth = self.mode if isinstance(self.mode, int) else max_depth
         self.ema = ema
@@ -116,7 +116,7 @@ class DraftPolicy:
         else:
             self.cost[depth] = seconds
         if depth > 0 and accepted > 0 and self._score(depth) < self._score(0):
-            self.probe_gap = 8                              # drafting pays again: probe eagerly
+            self.probe_gap = 8                              # drafting pays: come back to it soon
         if self.proposed >= GUARD_MIN_PROPOSALS and self.accepted < GUARD_MIN_ACCEPT * self.proposed:
             self.off = True
 

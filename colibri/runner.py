@@ -42,7 +42,10 @@ def run(args) -> int:
     from ._core import Sampler, model_init
     from .draft import MAX_AUTO_DEPTH, DraftPolicy, parse_draft
     if args.model is None:
-        raise ValueError("no --model given (the embedded default model is not available in this build)")
+        from .models import default_model_dir
+        args.model = default_model_dir()
+        if not args.quiet:
+            print(f"[colibri] no --model given: using the embedded default model ({args.model})", file=sys.stderr)
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not args.temperature >= 0:
@@ -80,6 +83,8 @@ def run(args) -> int:
               f"prompt {len(ids)} tokens", file=sys.stderr)
     model.kv_alloc(need)
     model.reset_stats()
+    # The MTP head learns the prompt's (token, hidden) pairs during prefill, as colibrì does, so a
+    # draft costs one pass of the head; rows of later draft-free iterations are absorbed lazily.
     model.mtp_absorb_prefill = model.has_mtp and policy.max_depth > 0
     t0 = time.perf_counter()
     history = list(ids)

@@ -83,12 +83,14 @@ def compare(model: str, runs: int = 5, tokens: int = 64, prompt_len: int = 32, t
             log=print) -> dict:
     prompt = [(i * 37 + 11) % 8192 for i in range(prompt_len)]
     samples = {"0": [], "auto": []}
+    e2e = {"0": [], "auto": []}
     detail = {"0": [], "auto": []}
     run_once(model, prompt, 8, "0", threads)                      # warm-up (page cache)
     for r in range(runs):
         for draft in (("0", "auto") if r % 2 == 0 else ("auto", "0")):
             s = run_once(model, prompt, tokens, draft, threads)
             samples[draft].append(s["decode_tok_s"])
+            e2e[draft].append(s["prefill_s"] + s["decode_s"])
             detail[draft].append({k: s[k] for k in ("decode_tok_s", "drafts_proposed", "drafts_accepted",
                                                     "tokens_per_forward", "tokens")})
             log(f"  run {r + 1} --draft {draft:4s}: {s['decode_tok_s']:7.1f} tok/s, "
@@ -96,7 +98,9 @@ def compare(model: str, runs: int = 5, tokens: int = 64, prompt_len: int = 32, t
     if detail["0"][0]["tokens"] != detail["auto"][0]["tokens"]:
         raise SystemExit("--draft auto changed the greedy output: speculation is not lossless")
     med0, meda = statistics.median(samples["0"]), statistics.median(samples["auto"])
+    t0, ta = statistics.median(e2e["0"]), statistics.median(e2e["auto"])
     return {"draft0_tok_s": med0, "auto_tok_s": meda, "auto_over_draft0": meda / med0,
+            "draft0_total_s": t0, "auto_total_s": ta, "auto_time_over_draft0": ta / t0,
             "runs": runs, "tokens": tokens, "samples": samples,
             "detail": [{k: v for k, v in d.items() if k != "tokens"} for d in detail["auto"]]}
 
@@ -119,7 +123,9 @@ def main(argv=None) -> int:
     res = compare(int4, args.runs, args.tokens, threads=args.threads)
     print(f"\n| setting | decode tok/s (median of {args.runs}) |\n|---|---|\n"
           f"| --draft 0 | {res['draft0_tok_s']:.1f} |\n| --draft auto (random MTP head) | {res['auto_tok_s']:.1f} |\n"
-          f"| auto / 0 | {res['auto_over_draft0']:.3f} |")
+          f"| auto / 0 | {res['auto_over_draft0']:.3f} |\n\n"
+          f"generation wall time (prefill + decode), median: --draft 0 {res['draft0_total_s']:.3f}s, "
+          f"--draft auto {res['auto_total_s']:.3f}s, auto / 0 = {res['auto_time_over_draft0']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
