@@ -1,0 +1,1207 @@
+#!/usr/bin/env python3
+"""colibri benchmark: colibri vs HF transformers vs llama.cpp on the medium fixture, in one run.
+
+Everything in the report is measured in the same invocation on the same machine:
+
+1. colibri (int4 container: int4 experts and dense weights, int8 embedding/lm_head) through its
+   CLI, with every routed expert cached (``--cache-experts 0``) and with 4 experts per layer
+   cached (``--cache-experts 4``); each measurement is a fresh process, one warm-up process first,
+   median of ``--runs``.
+2. HF transformers ``GlmMoeDsaForCausalLM`` (eager attention) in bf16 and f32, each dtype in its
+   own subprocess (warm-up + ``--runs`` repetitions in it).
+3. llama.cpp through ``llama-cpp-python``: the f32 fixture (indexer padded to head dim 64) is
+   converted by llama.cpp's own ``convert_hf_to_gguf.py`` to an f32 GGUF, then quantized to
+   Q4_0 and Q8_0; each file is measured in its own subprocess.  Any step that fails is reported
+   in its table row (the error's last line) and the bench goes on.
+4. Weight bytes touched per decoded token by colibri (from the container's tensor sizes), the
+   achieved GB/s and the machine's memory bandwidth (numpy copy of a 1 GiB array, best of 5,
+   read + write bytes counted).
+
+Definitions (the same for every engine):
+    prefill tok/s = prompt tokens / wall time of the prompt forward
+    decode tok/s  = decode forwards / their wall time: the forwards after the prompt, one new
+                    token each (64 tokens = 1 prefill + 63 decode forwards for colibri and HF;
+                    llama.cpp's loop runs 64 single-token evals)
+
+Measurements on a shared machine: before each measured run the bench waits (``--quiet-wait``)
+until other processes use < 25 % of the CPUs, and a run during which they took >= 15 % anyway
+is discarded and retried (``--retries`` extra runs per configuration); the report says how many
+runs were discarded and which figures, if any, come from disturbed runs.
+
+Setup (the llama.cpp rows; without it they show the failure and the rest still runs)::
+
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python gguf   # compiles llama.cpp
+
+The converter ships in the llama-cpp-python sdist (vendor/llama.cpp/convert_hf_to_gguf.py);
+the bench fetches that sdist with ``pip download`` into ``--work`` the first time.
+
+Usage::
+
+    python tools/make_bench_model.py --out /tmp/bench_model      # optional: --model builds it
+    python tools/bench.py --model /tmp/bench_model --runs 3 --json /tmp/bench.json
+
+``--model`` is the f32 fixture (built with tools/make_bench_model.py when missing); converted
+files go to ``--work`` (default /tmp/colibri_bench) and are reused while newer than the fixture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from collections import OrderedDict
+from typing import Dict, List, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+LLAMA_INDEXER_HEAD_DIM = 64      # llama.cpp's glm-dsa indexer needs index_head_dim >= 64
+WORKER_MARK = "BENCH_RESULT_JSON:"
+
+
+# ---------------------------------------------------------------------------------------------
+# small helpers
+
+
+def log(*a):
+    print("[bench]", *a, file=sys.stderr, flush=True)
+
+
+def bench_prompt(n: int, vocab: int) -> List[int]:
+    """The fixed benchmark prompt: ids (i*37 + 11) mod vocab."""
+    return [(i * 37 + 11) % vocab for i in range(n)]
+
+
+def median(xs: Sequence[float]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def last_error_line(text: str) -> str:
+    """The most telling line of a failed step's output.
+
+    A llama.cpp log line saying why loading failed (or a GGML assertion) beats Python's generic
+    closing exception; otherwise the last non-empty line.
+    """
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    if not lines:
+        return "failed without output"
+    for ln in reversed(lines):
+        if ("error loading model" in ln or "GGML_ASSERT" in ln or "unknown model architecture" in ln
+                or "llama_model_load:" in ln and "error" in ln.lower()):
+            return ln
+    return lines[-1]
+
+
+def _short(s: str, n: int = 160) -> str:
+    s = " ".join(str(s).split())
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def _newer(path: str, than: str) -> bool:
+    return os.path.exists(path) and os.path.getmtime(path) >= os.path.getmtime(than)
+
+
+def _run(cmd, env=None, timeout=None, what="step"):
+    """subprocess.run with captured text output; never raises for a non-zero exit."""
+    log(what + ": " + " ".join(str(c) for c in cmd))
+    t = time.perf_counter()
+    try:
+        r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        r = subprocess.CompletedProcess(cmd, 124, out, err + f"\ntimed out after {timeout} s")
+    log(f"  -> exit {r.returncode} in {time.perf_counter() - t:.1f} s")
+    return r
+
+
+def worker_result(proc) -> dict:
+    """The JSON a worker subprocess printed after WORKER_MARK, or an error record."""
+    for ln in reversed((proc.stdout or "").splitlines()):
+        if ln.startswith(WORKER_MARK):
+            return json.loads(ln[len(WORKER_MARK):])
+    return {"error": last_error_line((proc.stderr or "") + "\n" + (proc.stdout or ""))
+            + f" (exit {proc.returncode})"}
+
+
+def emit_worker_result(d: dict) -> None:
+    sys.stdout.write(WORKER_MARK + json.dumps(d) + "\n")
+    sys.stdout.flush()
+
+
+def peak_rss_self() -> int:
+    """Peak RSS of this process: VmHWM (the high-water mark of this process's own memory map;
+    ru_maxrss would also count the parent's footprint inherited through fork/exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for ln in f:
+                if ln.startswith("VmHWM:"):
+                    return int(ln.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _cpu_times():
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+    return sum(v[:8]), idle
+
+
+def busy_fraction(seconds: float = 1.0) -> Optional[float]:
+    """Share of all CPUs busy during ``seconds`` (this process sleeps meanwhile, so it is the
+    load of everything else); None where /proc/stat is not readable."""
+    try:
+        t0, i0 = _cpu_times()
+        time.sleep(seconds)
+        t1, i1 = _cpu_times()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (t1 - t0 - (i1 - i0)) / max(t1 - t0, 1)
+
+
+class OtherLoad:
+    """Context manager: the share of all CPUs that OTHER processes used while it was open.
+
+    CPU time of the whole machine (/proc/stat) minus this process's own (``who='self'``, all
+    threads) or its waited-for children's (``who='children'``), over wall time x CPUs.  A run
+    during which other processes took a noticeable share is "disturbed": on 2 shared cores an
+    OpenMP engine then slows down far more than the share suggests (a descheduled thread stalls
+    every barrier), so such runs are retried (see ``collect``).
+    """
+
+    def __init__(self, who: str = "self"):
+        import resource
+        self._res = resource
+        self._who = resource.RUSAGE_CHILDREN if who == "children" else resource.RUSAGE_SELF
+        self.fraction: Optional[float] = None
+
+    def _own(self) -> float:
+        r = self._res.getrusage(self._who)
+        return r.ru_utime + r.ru_stime
+
+    def __enter__(self):
+        try:
+            self._t0 = _cpu_times()
+        except (OSError, ValueError, IndexError):
+            self._t0 = None
+        self._o0, self._w0 = self._own(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self._w0
+        if self._t0 is None or wall <= 0:
+            return False
+        try:
+            t1 = _cpu_times()
+        except (OSError, ValueError, IndexError):
+            return False
+        hz = os.sysconf("SC_CLK_TCK")
+        busy = ((t1[0] - self._t0[0]) - (t1[1] - self._t0[1])) / hz
+        others = max(busy - (self._own() - self._o0), 0.0)
+        self.fraction = round(others / (wall * (os.cpu_count() or 1)), 3)
+        return False
+
+
+#: A run during which other processes used at least this share of the CPUs is retried.
+DISTURBED = 0.15
+
+
+def collect(measure, runs: int, retries: int, quiet_wait: float, who: str = "self") -> dict:
+    """Call ``measure(i)`` (i = 0 is the warm-up) until ``runs`` undisturbed samples exist or
+    ``runs + retries`` measured attempts were made.  Before each measured attempt, wait (up to
+    ``quiet_wait`` s) for a quiet machine.  Returns {'samples', 'disturbed', 'others', 'gates',
+    'clean'}: the samples kept are the undisturbed ones, or all of them when none was."""
+    measure(0)
+    clean, dirty, others, gates = [], [], [], []
+    attempts = 0
+    while len(clean) < runs and attempts < runs + retries:
+        attempts += 1
+        if quiet_wait > 0:
+            gates.append(wait_quiet(quiet_wait))
+        with OtherLoad(who) as ol:
+            sample = measure(attempts)
+        if sample is None:
+            break
+        others.append(ol.fraction)
+        (dirty if ol.fraction is not None and ol.fraction >= DISTURBED else clean).append(sample)
+    return {"samples": clean if clean else dirty, "clean": bool(clean), "disturbed": len(dirty),
+            "others": others, "gates": gates}
+
+
+def wait_quiet(max_wait: float, threshold: float = 0.25) -> dict:
+    """Wait (up to ``max_wait`` seconds) until the other processes on the machine use less than
+    ``threshold`` of the CPUs, so that a measurement does not start while the machine is shared
+    with a build or a test run.  Returns {'waited_s', 'busy', 'quiet'}."""
+    t = time.perf_counter()
+    time.sleep(0.3)  # let this process's own worker threads stop spinning
+    busy = busy_fraction()
+    while busy is not None and busy >= threshold and time.perf_counter() - t < max_wait:
+        time.sleep(2.0)
+        busy = busy_fraction()
+    return {"waited_s": round(time.perf_counter() - t, 1), "busy": None if busy is None else round(busy, 3),
+            "quiet": busy is None or busy < threshold}
+
+
+# ---------------------------------------------------------------------------------------------
+# machine
+
+
+def machine_info() -> dict:
+    model, physical = None, set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            phys = core = None
+            for ln in f:
+                k, _, v = ln.partition(":")
+                k, v = k.strip(), v.strip()
+                if k == "model name" and model is None:
+                    model = v
+                elif k == "physical id":
+                    phys = v
+                elif k == "core id":
+                    core = v
+                elif not k and phys is not None and core is not None:
+                    physical.add((phys, core))
+                    phys = core = None
+    except OSError:
+        pass
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            for ln in f:
+                if ln.startswith("MemTotal:"):
+                    mem = int(ln.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        usable = os.cpu_count()
+    return {
+        "cpu": model or platform.processor() or "unknown",
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": usable,
+        "physical_cores": len(physical) or None,
+        "mem_total_bytes": mem,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
+    """Memory bandwidth from numpy copies of a ``nbytes`` array (read + write bytes counted).
+
+    Best of ``repeats``, with one thread and with two threads (each copying one half; numpy
+    releases the GIL for the copy).  ``gbs`` is the larger of the two.
+    """
+    import numpy as np
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = np.ones(nbytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault every page in before timing
+    best1 = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best1 = min(best1, time.perf_counter() - t)
+    half = src.size // 2
+    parts = [(dst[:half], src[:half]), (dst[half:], src[half:])]
+    best2 = float("inf")
+    with ThreadPoolExecutor(2) as ex:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            list(ex.map(lambda p: np.copyto(p[0], p[1]), parts))
+            best2 = min(best2, time.perf_counter() - t)
+    moved = 2 * src.nbytes
+    g1, g2 = moved / best1 / 1e9, moved / best2 / 1e9
+    return {"array_bytes": int(src.nbytes), "repeats": repeats, "gbs_1thread": g1, "gbs_2threads": g2,
+            "gbs": max(g1, g2)}
+
+
+# ---------------------------------------------------------------------------------------------
+# weight bytes per decoded token (colibri)
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
+
+#: Component labels, in report order.
+COMPONENTS = ("embedding row", "attention", "indexer keys", "indexer queries", "norms",
+              "dense MLP", "router", "shared experts", "routed experts (top-k)", "final norm", "lm_head")
+
+
+def weight_bytes_per_token(container_dir: str, ctx_len: int = 0) -> dict:
+    """Weight bytes one decode forward of colibri reads, from the container's tensor sizes.
+
+    Counted: one embedding row; every attention matrix (q_a, q_b, kv_a, kv_b, o) and norm; the
+    indexer's key path (wk + k_norm, run on every token of a "full" indexer layer); the dense MLPs;
+    the router, the shared experts and the top-k routed experts of each MoE layer (k times the
+    layer's mean expert size); the final norm and the whole lm_head (one row of activations
+    times every vocabulary row).  The indexer's query side (wq_b, weights_proj) runs only once
+    the context exceeds ``index_topk``, so it counts only when ``ctx_len`` > index_topk.  Layers
+    past ``num_hidden_layers`` (MTP) are not used by decoding and are left out.
+    Payload and per-row scale (``.qs``) bytes both count.
+    """
+    from colibri.st import SafeTensorsDir
+
+    with open(os.path.join(container_dir, "config.json")) as f:
+        cfg = json.load(f)
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    n_layers = int(cfg["num_hidden_layers"])
+    vocab = int(cfg["vocab_size"])
+    topk = int(cfg.get("num_experts_per_tok") or 0)
+    index_topk = int(cfg.get("index_topk") or 0)
+    itypes = cfg.get("indexer_types") or ["full"] * n_layers
+    comp: Dict[str, int] = OrderedDict((k, 0) for k in COMPONENTS)
+    experts: Dict[int, Dict[int, int]] = {}
+    skipped = 0
+    with SafeTensorsDir(container_dir) as st:
+        for name in st.names():
+            nb = st.info(name).nbytes
+            base = name[:-3] if name.endswith(".qs") else name
+            if base == "model.embed_tokens.weight":
+                comp["embedding row"] += nb / vocab
+                continue
+            if base == "lm_head.weight":
+                comp["lm_head"] += nb
+                continue
+            if base == "model.norm.weight":
+                comp["final norm"] += nb
+                continue
+            m = _LAYER.match(base)
+            if not m:
+                skipped += nb
+                continue
+            layer, rest = int(m.group(1)), m.group(2)
+            if layer >= n_layers:
+                skipped += nb
+                continue
+            em = _EXPERT.match(rest)
+            if em:
+                per = experts.setdefault(layer, {})
+                per[int(em.group(1))] = per.get(int(em.group(1)), 0) + nb
+            elif rest.startswith("self_attn.indexer."):
+                full = layer >= len(itypes) or itypes[layer] == "full"
+                if not full:
+                    continue
+                if rest.startswith("self_attn.indexer.wk.") or rest.startswith("self_attn.indexer.k_norm."):
+                    comp["indexer keys"] += nb
+                elif ctx_len > index_topk:
+                    comp["indexer queries"] += nb
+            elif rest.startswith("self_attn."):
+                comp["attention"] += nb
+            elif rest.startswith("mlp.shared_experts."):
+                comp["shared experts"] += nb
+            elif rest.startswith("mlp.gate.") or rest.endswith("e_score_correction_bias"):
+                comp["router"] += nb
+            elif rest.startswith("mlp."):
+                comp["dense MLP"] += nb
+            elif "norm" in rest:
+                comp["norms"] += nb
+            else:
+                skipped += nb
+    routed = 0.0
+    expert_mean = {}
+    for layer, per in sorted(experts.items()):
+        mean = sum(per.values()) / len(per)
+        expert_mean[layer] = mean
+        routed += min(topk, len(per)) * mean
+    comp["routed experts (top-k)"] = routed
+    comp = OrderedDict((k, int(round(v))) for k, v in comp.items())
+    total = sum(comp.values())
+    return {
+        "components": comp,
+        "total": total,
+        "moe_layers": len(experts),
+        "experts_per_token": topk,
+        "expert_bytes_mean": (sum(expert_mean.values()) / len(expert_mean)) if expert_mean else 0,
+        "container_bytes": int(sum(os.path.getsize(p) for p in st.paths)),
+        "unused_bytes": int(skipped),
+        "ctx_len": ctx_len,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# table formatting
+
+
+def fmt_num(x, nd: int = 1) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, str):
+        return x
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.{nd}f}"
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "–"
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_ratio(a, b) -> str:
+    if a is None or b is None or not b:
+        return "–"
+    return f"{a / b:.2f}×"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A GitHub markdown table; numeric-looking columns are right-aligned."""
+    cells = [[str(c) for c in r] for r in rows]
+    num = re.compile(r"^[-+]?[\d,]*\.?\d+(\s*[×%]|\s*[KMG]?B)?$|^–$")
+    align = []
+    for j in range(len(headers)):
+        col = [r[j] for r in cells if j < len(r)]
+        align.append("---:" if col and all(num.match(c) for c in col) else ":---")
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join(align) + "|"]
+    for r in cells:
+        r = list(r) + [""] * (len(headers) - len(r))
+        out.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in r) + " |")
+    return "\n".join(out)
+
+
+def _prefix(r: dict) -> str:
+    """'N/M': the first N of M greedy tokens equal HF f32's (quantization may flip a near-tied
+    argmax of this random model early; after that the continuations differ)."""
+    n = r.get("greedy_prefix_vs_hf_f32")
+    if n is None or not r.get("tokens"):
+        return "–"
+    return f"{n}/{len(r['tokens'])}"
+
+
+def render_report(res: dict) -> str:
+    """The markdown report of a bench result dictionary (see ``main`` for its fields)."""
+    m = res.get("machine", {})
+    p = res.get("params", {})
+    rows = res.get("rows", [])
+    lines = []
+    lines.append(f"### colibri benchmark — {res.get('fixture', {}).get('name', 'fixture')} "
+                 f"({fmt_num(res.get('fixture', {}).get('n_params_b'), 3)} B parameters)")
+    lines.append("")
+    cores = m.get("physical_cores")
+    lines.append(f"Machine: {m.get('cpu')}, {m.get('usable_cpus')} usable CPUs"
+                 + (f" ({cores} physical cores)" if cores else "")
+                 + (f", {m['mem_total_bytes'] / 2**30:.0f} GiB RAM" if m.get("mem_total_bytes") else "")
+                 + f"; {p.get('threads')} threads for every engine.")
+    lines.append(f"Prompt {p.get('prompt_len')} tokens, {p.get('tokens')} tokens greedy; median of "
+                 f"{p.get('runs')} runs after one warm-up. Measured {res.get('date', '')}.")
+    lines.append("")
+    ref = next((r for r in rows if r.get("ref")), None)
+    headers = ["engine", "weights", "experts cached", "size on disk", "prefill tok/s", "decode tok/s",
+               "peak RSS", "colibri ÷ peer prefill", "colibri ÷ peer decode", "greedy = HF f32", "note"]
+    body = []
+    for r in rows:
+        err = r.get("error")
+        is_col = r.get("engine") == "colibri"
+        body.append([
+            r.get("engine", ""), r.get("weights", ""), r.get("cached", "–"),
+            fmt_bytes(r.get("size_bytes")),
+            "–" if err else fmt_num(r.get("prefill_tok_s")),
+            "–" if err else fmt_num(r.get("decode_tok_s"), 2),
+            fmt_bytes(r.get("peak_rss_bytes")),
+            "–" if err or is_col or ref is None else fmt_ratio(ref.get("prefill_tok_s"), r.get("prefill_tok_s")),
+            "–" if err or is_col or ref is None else fmt_ratio(ref.get("decode_tok_s"), r.get("decode_tok_s")),
+            _prefix(r),
+            ("FAILED: " + _short(err)) if err else r.get("note", ""),
+        ])
+    lines.append(markdown_table(headers, body))
+    if ref is not None:
+        lines.append("")
+        lines.append(f"Ratios: colibri {ref.get('weights')}, {ref.get('cached')} experts cached ÷ peer "
+                     "(> 1 = colibri faster).")
+    spread = [r for r in rows if not r.get("error") and r.get("decode_samples")]
+    if spread:
+        lines.append("")
+        lines.append("Spread over the measured runs (min – max tok/s; a wide spread means other processes "
+                     "competed for the cores during that configuration):")
+        lines.append("")
+        srows = []
+        for r in spread:
+            pf, dc = r.get("prefill_samples") or [], r.get("decode_samples") or []
+            srows.append([f"{r.get('engine')} {r.get('weights')}"
+                          + (f", {r.get('cached')} cached" if r.get("engine") == "colibri" else ""),
+                          f"{fmt_num(min(pf))} – {fmt_num(max(pf))}" if pf else "–",
+                          f"{fmt_num(min(dc), 2)} – {fmt_num(max(dc), 2)}"])
+        lines.append(markdown_table(["configuration", "prefill tok/s", "decode tok/s"], srows))
+    bpt = res.get("bytes_per_token")
+    bw = res.get("bandwidth")
+    if bpt:
+        lines.append("")
+        lines.append("Weight bytes read per decoded token (colibri int4 container):")
+        lines.append("")
+        comp_rows = [[k, fmt_bytes(v)] for k, v in bpt["components"].items() if v]
+        comp_rows.append(["**total**", "**" + fmt_bytes(bpt["total"]) + "**"])
+        lines.append(markdown_table(["component", "bytes / token"], comp_rows))
+        lines.append("")
+        bw_rows = []
+        for r in rows:
+            if r.get("engine") != "colibri" or r.get("error") or not r.get("decode_tok_s"):
+                continue
+            gbs = bpt["total"] * r["decode_tok_s"] / 1e9
+            bw_rows.append([f"colibri, {r.get('cached')} experts cached", fmt_num(r["decode_tok_s"], 2),
+                            fmt_num(gbs, 2),
+                            f"{100 * gbs / bw['gbs']:.1f}%" if bw and bw.get("gbs") else "–",
+                            fmt_bytes(r.get("expert_load_bytes_per_token"))])
+        if bw:
+            bw_rows.append(["memory bandwidth (numpy copy of 1 GiB, read+write, best of 5)", "–",
+                            fmt_num(bw["gbs"], 2), "100%", "–"])
+        lines.append(markdown_table(["", "decode tok/s", "weight GB/s", "% of bandwidth",
+                                     "expert bytes loaded / token"], bw_rows))
+        if bw:
+            lines.append("")
+            lines.append(f"numpy copy: {bw['gbs_1thread']:.2f} GB/s with 1 thread, "
+                         f"{bw['gbs_2threads']:.2f} GB/s with 2 threads.")
+    notes = res.get("notes") or []
+    if notes:
+        lines.append("")
+        for n in notes:
+            lines.append(f"- {n}")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# fixture and colibri
+
+
+def ensure_fixture(model_dir: str) -> dict:
+    man = os.path.join(model_dir, "bench_manifest.json")
+    if not (os.path.exists(man) and os.path.exists(os.path.join(model_dir, "config.json"))):
+        log(f"building the fixture in {model_dir}")
+        r = _run([sys.executable, os.path.join(HERE, "make_bench_model.py"), "--out", model_dir],
+                 what="make_bench_model")
+        if r.returncode != 0:
+            raise SystemExit("bench: building the fixture failed: " + last_error_line(r.stderr))
+    with open(man) as f:
+        return json.load(f)
+
+
+def fixture_weights(model_dir: str) -> str:
+    files = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    if not files:
+        raise SystemExit(f"bench: no .safetensors in {model_dir}")
+    return os.path.join(model_dir, files[-1])
+
+
+def ensure_int4(model_dir: str, dst: str) -> Optional[str]:
+    """The int4 container of the fixture (converted when missing or older); error text or None."""
+    stamp = os.path.join(dst, "colibri_convert.json")
+    if _newer(stamp, fixture_weights(model_dir)):
+        return None
+    r = _run([sys.executable, "-m", "colibri", "convert", model_dir, dst,
+              "--expert-bits", "4", "--dense-bits", "4", "--io-bits", "8"], what="colibri convert")
+    if r.returncode != 0:
+        return "colibri convert: " + last_error_line(r.stderr + r.stdout)
+    return None
+
+
+def dir_bytes(d: str, suffix: str = ".safetensors") -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if n.endswith(suffix))
+
+
+def run_colibri(container: str, prompt: List[int], n_tokens: int, cache: int, threads: int,
+                runs: int, work: str, quiet_wait: float = 0.0, retries: int = 0) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    failure = []
+
+    def measure(i):
+        stats = os.path.join(work, f"colibri_stats_{cache}_{i}.json")
+        if os.path.exists(stats):
+            os.remove(stats)
+        r = _run([sys.executable, "-m", "colibri", "run", "--model", container,
+                  "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(n_tokens),
+                  "--temperature", "0", "--cache-experts", str(cache), "--threads", str(threads),
+                  "--stats-json", stats, "--quiet"],
+                 env=env, what=f"colibri cache={cache} {'warm-up' if i == 0 else f'run {i}'}")
+        if r.returncode != 0 or not os.path.exists(stats):
+            failure.append("colibri run: " + last_error_line(r.stderr + r.stdout))
+            return None
+        with open(stats) as f:
+            return json.load(f)
+
+    got = collect(measure, runs, retries, quiet_wait, who="children")
+    if failure:
+        return {"error": failure[0]}
+    samples = got.pop("samples")
+    out = dict(got, samples=samples)
+    dec_forwards = [max(s["forwards"] - 1, 0) for s in samples]
+    out["prefill_tok_s"] = median([s["prefill_tokens"] / s["prefill_s"] for s in samples])
+    out["decode_tok_s"] = median([f / s["decode_s"] for f, s in zip(dec_forwards, samples) if s["decode_s"] > 0])
+    out["prefill_samples"] = [s["prefill_tokens"] / s["prefill_s"] for s in samples]
+    out["decode_samples"] = [f / s["decode_s"] for f, s in zip(dec_forwards, samples) if s["decode_s"] > 0]
+    out["decode_tokens"] = samples[-1]["decode_tokens"]
+    out["tokens"] = samples[-1]["tokens"]
+    out["peak_rss_bytes"] = max(s["peak_rss_bytes"] for s in samples)
+    out["resident_bytes"] = samples[-1].get("resident_bytes")
+    looks = samples[-1]["expert_hits"] + samples[-1]["expert_misses"]
+    out["expert_hit_rate"] = samples[-1]["expert_hits"] / looks if looks else None
+    out["expert_load_bytes_per_token"] = median(
+        [s["bytes_read"] / max(s["forwards"], 1) for s in samples])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# HF transformers peer (worker runs in a subprocess)
+
+
+def hf_worker(model_dir: str, dtype: str, prompt: List[int], n_tokens: int, runs: int, threads: int,
+              quiet_wait: float = 0.0, retries: int = 0) -> dict:
+    import torch
+    import transformers
+    from transformers import GlmMoeDsaForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    torch.set_num_threads(threads)
+    tdtype = {"bf16": torch.bfloat16, "f32": torch.float32}[dtype]
+    t = time.perf_counter()
+    model = GlmMoeDsaForCausalLM.from_pretrained(model_dir, dtype=tdtype, attn_implementation="eager").eval()
+    load_s = time.perf_counter() - t
+    ids = torch.tensor([prompt], dtype=torch.long)
+    mask = torch.ones_like(ids)
+    stamps: List[float] = []
+
+    class Stamp(LogitsProcessor):
+        """Called once per generated token, right after the forward that produced its logits."""
+
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    eos = model.generation_config.eos_token_id
+    pad = eos[0] if isinstance(eos, list) else eos
+    def measure(i):
+        with torch.inference_mode():
+            t = time.perf_counter()
+            model(input_ids=ids, attention_mask=mask, use_cache=True)
+            tp = time.perf_counter() - t
+            stamps.clear()
+            t = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n_tokens, min_new_tokens=n_tokens,
+                                 do_sample=False, logits_processor=LogitsProcessorList([Stamp()]),
+                                 pad_token_id=pad)
+            tg = time.perf_counter() - t
+        dec = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) >= 2 else None
+        return len(prompt) / tp, dec, tg, out[0, len(prompt):].tolist()
+
+    got = collect(measure, runs, retries, quiet_wait)
+    samples = got.pop("samples")
+    prefill = [x[0] for x in samples]
+    decode = [x[1] for x in samples if x[1] is not None]
+    gen_total = [x[2] for x in samples]
+    tokens = samples[-1][3]
+    nparam = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {
+        "prefill_tok_s": median(prefill), "decode_tok_s": median(decode),
+        "prefill_samples": prefill, "decode_samples": decode, "generate_s": gen_total, **got,
+        "decode_tokens": len(tokens or []), "tokens": tokens, "load_s": load_s,
+        "weight_bytes": int(nparam), "peak_rss_bytes": peak_rss_self(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+    }
+
+
+def run_hf(model_dir, dtype, prompt, n_tokens, runs, threads, timeout, quiet_wait=0.0, retries=0) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    r = _run([sys.executable, os.path.abspath(__file__), "--worker", "hf", "--model", model_dir,
+              "--dtype", dtype, "--prompt-ids", ",".join(map(str, prompt)), "--tokens", str(n_tokens),
+              "--runs", str(runs), "--threads", str(threads), "--quiet-wait", str(quiet_wait),
+              "--retries", str(retries)], env=env, timeout=timeout, what=f"HF transformers {dtype}")
+    return worker_result(r)
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp peer
+
+
+def pad_indexer_for_llama(src_dir: str, dst_dir: str, head_dim: int = LLAMA_INDEXER_HEAD_DIM) -> dict:
+    """Copy of the f32 fixture whose DSA indexer has ``head_dim`` dims per head (llama.cpp's
+    glm-dsa needs >= 64): ``wq_b`` [nh*hd, q_lora] -> [nh*head_dim, q_lora] (each head's rows
+    followed by zero rows), ``wk`` [hd, D] -> [head_dim, D] (zero rows), ``k_norm`` weight padded
+    with 1 and bias with 0, ``index_head_dim`` = head_dim in config.json.
+
+    This is NOT an exact transformation: k_norm is a LayerNorm over the head, and the zero
+    padding changes its mean and variance (and the 1/sqrt(hd) score scale changes too).  It does
+    not matter here: the indexer only picks which keys the attention sees, and while the context
+    is <= index_topk (4096) every key is kept whatever the scores are, so the model's output does
+    not depend on the indexer at all for this benchmark (32 + 64 tokens).  Any padding works; the
+    padded copy costs the same compute as a real head_dim-64 indexer.
+    """
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    with open(os.path.join(src_dir, "config.json")) as f:
+        cfg = json.load(f)
+    hd, nh = int(cfg["index_head_dim"]), int(cfg["index_n_heads"])
+    os.makedirs(dst_dir, exist_ok=True)
+    for n in os.listdir(src_dir):
+        if n.endswith(".json") and n not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(os.path.join(src_dir, n), os.path.join(dst_dir, n))
+    changed = 0
+    for n in sorted(os.listdir(src_dir)):
+        if not n.endswith(".safetensors"):
+            continue
+        t = load_file(os.path.join(src_dir, n))
+        if hd < head_dim:
+            for k in list(t):
+                a = t[k]
+                if k.endswith("indexer.wq_b.weight"):
+                    q = a.reshape(nh, hd, a.shape[-1])
+                    t[k] = np.concatenate([q, np.zeros((nh, head_dim - hd, a.shape[-1]), a.dtype)],
+                                          axis=1).reshape(nh * head_dim, a.shape[-1])
+                elif k.endswith("indexer.wk.weight"):
+                    t[k] = np.concatenate([a, np.zeros((head_dim - hd, a.shape[-1]), a.dtype)], axis=0)
+                elif k.endswith("indexer.k_norm.weight"):
+                    t[k] = np.concatenate([a, np.ones(head_dim - hd, a.dtype)])
+                elif k.endswith("indexer.k_norm.bias"):
+                    t[k] = np.concatenate([a, np.zeros(head_dim - hd, a.dtype)])
+                else:
+                    continue
+                changed += 1
+        save_file(t, os.path.join(dst_dir, n), metadata={"format": "pt"})
+        del t
+    idx = os.path.join(src_dir, "model.safetensors.index.json")
+    if os.path.exists(idx):
+        shutil.copy(idx, os.path.join(dst_dir, "model.safetensors.index.json"))
+    cfg["index_head_dim"] = max(hd, head_dim)
+    with open(os.path.join(dst_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    return {"from": hd, "to": cfg["index_head_dim"], "tensors_padded": changed}
+
+
+def gguf_type_summary(path: str) -> str:
+    """'112 Q4_0, 1 Q6_K (output), 59 F32': the tensor types of a GGUF file ('' if unreadable)."""
+    try:
+        import gguf
+        reader = gguf.GGUFReader(path)
+        counts: Dict[str, int] = {}
+        for t in reader.tensors:
+            counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        out_t = next((t.tensor_type.name for t in reader.tensors if t.name == "output.weight"), None)
+        parts = [f"{n} {k}" + (" (output)" if n == 1 and k == out_t else "")
+                 for k, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+        return "tensors: " + ", ".join(parts)
+    except Exception:
+        return ""
+
+
+def find_llama_src(work: str) -> str:
+    """The llama.cpp tree vendored in the llama-cpp-python sdist (downloaded and unpacked into
+    ``work`` with pip when not there yet); raises RuntimeError when it cannot be had."""
+    try:
+        from importlib.metadata import version
+        ver = version("llama-cpp-python")
+    except Exception:
+        ver = None
+    root = os.path.join(work, "llama_src")
+    os.makedirs(root, exist_ok=True)
+
+    def vendored():
+        for n in sorted(os.listdir(root), reverse=True):
+            if ver and not n.endswith(ver):
+                continue
+            p = os.path.join(root, n, "vendor", "llama.cpp")
+            if os.path.exists(os.path.join(p, "convert_hf_to_gguf.py")):
+                return p
+        return None
+
+    p = vendored()
+    if p:
+        return p
+    spec = f"llama-cpp-python=={ver}" if ver else "llama-cpp-python"
+    r = _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+              "-d", root, spec], what="pip download (llama-cpp-python sdist)", timeout=1800)
+    if r.returncode != 0:
+        raise RuntimeError("pip download llama-cpp-python: " + last_error_line(r.stderr + r.stdout))
+    for n in os.listdir(root):
+        if n.endswith(".tar.gz"):
+            with tarfile.open(os.path.join(root, n)) as tf:
+                members = [m for m in tf.getmembers()
+                           if "/vendor/llama.cpp/" in m.name and "/vendor/llama.cpp/vendor/" not in m.name
+                           or m.name.endswith("/vendor/llama.cpp")]
+                tf.extractall(root, members=members, filter="data")
+    p = vendored()
+    if not p:
+        raise RuntimeError(f"no vendor/llama.cpp/convert_hf_to_gguf.py in the sdist under {root}")
+    return p
+
+
+def gguf_convert_worker(llama_src: str, src: str, outfile: str, outtype: str) -> None:
+    """Run llama.cpp's convert_hf_to_gguf.py in this process.
+
+    The only change: the fixture has no tokenizer, and the converter's GLM vocab step needs the
+    real GLM tokenizer files, so ``GlmMoeDsaModel.set_vocab`` is pointed at the converter's own
+    ``_set_vocab_none`` (tokenizer model "none"; llama.cpp then creates vocab_size placeholder
+    tokens).  The benchmark feeds token ids, so no tokenizer is needed.  Every weight and
+    hyper-parameter goes through the converter unchanged.
+    """
+    sys.path.insert(0, llama_src)
+    sys.path.insert(1, os.path.join(llama_src, "gguf-py"))
+    import importlib
+
+    conv = importlib.import_module("convert_hf_to_gguf")
+    cls = None
+    try:
+        cls = conv.get_model_class("GlmMoeDsaForCausalLM")
+    except Exception:
+        cls = None
+    if cls is None:
+        for mod in ("conversion.glm", "conversion"):
+            try:
+                cls = getattr(importlib.import_module(mod), "GlmMoeDsaModel")
+                break
+            except Exception:
+                continue
+    if cls is None:
+        raise RuntimeError("the converter has no GlmMoeDsaForCausalLM model class")
+    if not os.path.exists(os.path.join(src, "tokenizer.json")):
+        cls.set_vocab = lambda self: self._set_vocab_none()
+    sys.argv = ["convert_hf_to_gguf.py", src, "--outfile", outfile, "--outtype", outtype]
+    conv.main()
+    if not os.path.exists(outfile):
+        raise RuntimeError(f"the converter wrote no {outfile}")
+
+
+def quantize_worker(src: str, dst: str, qtype: str, threads: int) -> dict:
+    import ctypes
+    import llama_cpp
+
+    ftype = {"q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}[qtype]
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    if rc != 0 or not os.path.exists(dst):
+        raise RuntimeError(f"llama_model_quantize returned {rc}")
+    return {"rc": int(rc)}
+
+
+def llama_worker(gguf: str, prompt: List[int], n_tokens: int, runs: int, threads: int,
+                 quiet_wait: float = 0.0, retries: int = 0) -> dict:
+    import numpy as np
+    import llama_cpp
+    from llama_cpp import Llama
+
+    t = time.perf_counter()
+    llm = Llama(model_path=gguf, n_ctx=max(256, len(prompt) + n_tokens + 16), n_batch=512,
+                n_threads=threads, n_threads_batch=threads, seed=0, verbose=True)
+    load_s = time.perf_counter() - t
+    n_vocab = llm.n_vocab()
+
+    def last_logits():
+        return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(n_vocab,))
+
+    def measure(i):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prompt)
+        tp = time.perf_counter() - t
+        out = []
+        t = time.perf_counter()
+        for _ in range(n_tokens):
+            tok = int(np.argmax(last_logits()))
+            out.append(tok)
+            llm.eval([tok])
+        td = time.perf_counter() - t
+        return len(prompt) / tp, n_tokens / td, out
+
+    got = collect(measure, runs, retries, quiet_wait)
+    samples = got.pop("samples")
+    prefill = [x[0] for x in samples]
+    decode = [x[1] for x in samples]
+    tokens = samples[-1][2]
+    return {"prefill_tok_s": median(prefill), "decode_tok_s": median(decode),
+            "prefill_samples": prefill, "decode_samples": decode, "tokens": tokens, **got,
+            "decode_tokens": len(tokens or []), "load_s": load_s, "peak_rss_bytes": peak_rss_self(),
+            "llama_cpp_python": getattr(llama_cpp, "__version__", None)}
+
+
+def run_llama_suite(model_dir: str, work: str, prompt, n_tokens, runs, threads, timeout,
+                    notes: List[str], quiet_wait: float = 0.0, retries: int = 0) -> List[dict]:
+    """Convert (pad -> f32 GGUF -> Q4_0/Q8_0) and measure; failures become error rows."""
+    quants = [("q4_0", "Q4_0"), ("q8_0", "Q8_0")]
+    rows = [{"engine": "llama.cpp", "weights": label, "cached": "all"} for _, label in quants]
+
+    def fail_all(msg):
+        for r in rows:
+            r.setdefault("error", msg)
+        return rows
+
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as e:
+        return fail_all(f"llama-cpp-python not importable: {e}")
+    gdir = os.path.join(work, "gguf")
+    os.makedirs(gdir, exist_ok=True)
+    src = os.path.join(gdir, "padded_hf")
+    weights = fixture_weights(model_dir)
+    if not _newer(os.path.join(src, "config.json"), weights):
+        r = _run([sys.executable, os.path.abspath(__file__), "--worker", "pad", "--model", model_dir,
+                  "--out", src], timeout=timeout,
+                 what=f"padding the indexer to head dim {LLAMA_INDEXER_HEAD_DIM}")
+        info = worker_result(r)
+        if "error" in info:
+            return fail_all("indexer padding: " + info["error"])
+    try:
+        llama_src = find_llama_src(work)
+    except Exception as e:
+        return fail_all(f"llama.cpp sources: {e}")
+    f32 = os.path.join(gdir, "bench-f32.gguf")
+    if not _newer(f32, os.path.join(src, "config.json")):
+        tmp = f32 + ".tmp"
+        r = _run([sys.executable, os.path.abspath(__file__), "--worker", "gguf-convert",
+                  "--llama-src", llama_src, "--model", src, "--out", tmp, "--outtype", "f32"],
+                 timeout=timeout, what="convert_hf_to_gguf (f32)")
+        if r.returncode != 0 or not os.path.exists(tmp):
+            return fail_all("convert_hf_to_gguf: " + last_error_line(r.stderr + r.stdout))
+        os.replace(tmp, f32)
+    notes.append("llama.cpp GGUFs: llama.cpp's convert_hf_to_gguf.py (f32 GGUF; tokenizer step replaced by "
+                 "its own `_set_vocab_none`, the fixture has no tokenizer) then llama_model_quantize; "
+                 f"indexer zero-padded to head dim {LLAMA_INDEXER_HEAD_DIM} (output-neutral while the "
+                 "context <= index_topk).")
+    for (q, label), row in zip(quants, rows):
+        dst = os.path.join(gdir, f"bench-{label}.gguf")
+        if not _newer(dst, f32):
+            tool = shutil.which("llama-quantize")
+            if tool:
+                r = _run([tool, f32, dst + ".tmp", label, str(threads)], timeout=timeout,
+                         what=f"llama-quantize {label}")
+            else:
+                r = _run([sys.executable, os.path.abspath(__file__), "--worker", "quantize", "--model", f32,
+                          "--out", dst + ".tmp", "--outtype", q, "--threads", str(threads)],
+                         timeout=timeout, what=f"llama_model_quantize {label}")
+            if r.returncode != 0 or not os.path.exists(dst + ".tmp"):
+                row["error"] = f"quantize {label}: " + last_error_line(r.stderr + r.stdout)
+                continue
+            os.replace(dst + ".tmp", dst)
+        row["size_bytes"] = os.path.getsize(dst)
+        row["note"] = gguf_type_summary(dst)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        r = _run([sys.executable, os.path.abspath(__file__), "--worker", "llama", "--model", dst,
+                  "--prompt-ids", ",".join(map(str, prompt)), "--tokens", str(n_tokens),
+                  "--runs", str(runs), "--threads", str(threads), "--quiet-wait", str(quiet_wait),
+                  "--retries", str(retries)], env=env, timeout=timeout, what=f"llama.cpp {label}")
+        res = worker_result(r)
+        if "error" in res:
+            res["error"] = f"llama.cpp {label}: " + res["error"]
+        row.update(res)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+
+
+def _loadavg() -> Optional[float]:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # pragma: no cover
+        return None
+
+
+def git_commit() -> Optional[str]:
+    try:
+        r = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return r.stdout.strip() + ("+dirty" if dirty else "") if r.returncode == 0 else None
+    except OSError:
+        return None
+
+
+def agreement(a: Optional[List[int]], b: Optional[List[int]]) -> Optional[int]:
+    """Length of the common prefix of two greedy continuations."""
+    if a is None or b is None:
+        return None
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_bench(args) -> dict:
+    work = os.path.abspath(args.work)
+    os.makedirs(work, exist_ok=True)
+    model_dir = os.path.abspath(args.model or os.path.join(work, "bench_model"))
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "colibri_commit": git_commit(),
+                 "machine": machine_info(), "notes": []}
+    res["machine"]["loadavg_start"] = _loadavg()
+    res["machine"]["nice"] = os.nice(0)
+    res["params"] = {"runs": args.runs, "tokens": args.tokens, "prompt_len": args.prompt_len,
+                     "threads": args.threads, "model": model_dir, "work": work}
+    fixture = ensure_fixture(model_dir)
+    res["fixture"] = fixture
+    vocab = fixture["config_summary"]["vocab_size"]
+    prompt = bench_prompt(args.prompt_len, vocab)
+    res["params"]["prompt_ids"] = prompt
+
+    # In a subprocess, like every large allocation of the bench: a child started from this
+    # process inherits its peak RSS in ru_maxrss (which colibri reports), so this one stays small.
+    if args.quiet_wait > 0:
+        wait_quiet(args.quiet_wait)
+    bw = worker_result(_run([sys.executable, os.path.abspath(__file__), "--worker", "bandwidth"],
+                            what="memory bandwidth"))
+    if "error" in bw:
+        res["notes"].append("memory bandwidth: " + bw["error"])
+        bw = None
+    else:
+        log(f"bandwidth {bw['gbs']:.2f} GB/s")
+    res["bandwidth"] = bw
+
+    rows: List[dict] = []
+    int4 = os.path.join(work, "int4")
+    err = ensure_int4(model_dir, int4)
+    for cache, ref in ((0, True), (4, False)):
+        row = {"engine": "colibri", "weights": "int4 (io int8)", "cached": "all" if cache == 0 else str(cache),
+               "ref": ref}
+        if err:
+            row["error"] = err
+        else:
+            row["size_bytes"] = dir_bytes(int4)
+            row.update(run_colibri(int4, prompt, args.tokens, cache, args.threads, args.runs, work,
+                                   args.quiet_wait, args.retries))
+            if not row.get("error") and row.get("decode_tokens", args.tokens) < args.tokens:
+                row["note"] = f"stopped at EOS after {row['decode_tokens']} tokens"
+            elif not row.get("error") and row.get("expert_hit_rate") is not None:
+                row["note"] = f"expert hit rate {100 * row['expert_hit_rate']:.0f}%"
+        rows.append(row)
+    if not err:
+        try:
+            res["bytes_per_token"] = weight_bytes_per_token(int4, ctx_len=args.prompt_len + args.tokens)
+        except Exception as e:  # pragma: no cover - reported, not fatal
+            res["notes"].append(f"bytes/token: {e}")
+
+    if not args.skip_hf:
+        for dtype in ("bf16", "f32"):
+            row = {"engine": "HF transformers", "weights": dtype, "cached": "all"}
+            row.update(run_hf(model_dir, dtype, prompt, args.tokens, args.runs, args.threads, args.timeout,
+                              args.quiet_wait, args.retries))
+            if not row.get("error"):
+                row["size_bytes"] = row.get("weight_bytes")
+                row["note"] = "eager attention, generate()"
+            rows.append(row)
+    if not args.skip_llama:
+        rows.extend(run_llama_suite(model_dir, work, prompt, args.tokens, args.runs, args.threads,
+                                    args.timeout, res["notes"], args.quiet_wait, args.retries))
+
+    ref_tokens = next((r.get("tokens") for r in rows if r.get("engine") == "HF transformers"
+                       and r.get("weights") == "f32" and r.get("tokens")), None)
+    if ref_tokens:
+        for r in rows:
+            if r.get("tokens"):
+                r["greedy_prefix_vs_hf_f32"] = agreement(r["tokens"], ref_tokens)
+    res["rows"] = rows
+    gates = [g for r in rows for g in (r.get("gates") or [])]
+    if args.quiet_wait > 0 and gates:
+        busy = [g for g in gates if not g["quiet"]]
+        res["notes"].append(
+            f"before each of the {len(gates)} measured runs the bench waited for the other processes to use "
+            f"< 25% of the CPUs (up to {args.quiet_wait:.0f} s; {sum(g['waited_s'] for g in gates):.0f} s "
+            f"waited in all); {len(busy)} run(s) started on a busy machine anyway.")
+    n_dist = sum(r.get("disturbed") or 0 for r in rows)
+    unclean = [f"{r['engine']} {r['weights']}" + (f" ({r['cached']} cached)" if r["engine"] == "colibri" else "")
+               for r in rows if r.get("clean") is False]
+    res["notes"].append(
+        f"runs during which other processes used >= {int(DISTURBED * 100)}% of the CPUs were discarded and "
+        f"retried (up to {args.retries} extra runs per configuration): {n_dist} discarded"
+        + (f"; NO undisturbed run for {', '.join(unclean)}: those figures are from disturbed runs."
+           if unclean else "; every figure comes from undisturbed runs."))
+    res["machine"]["loadavg_end"] = _loadavg()
+    res["notes"].append(f"1-minute load average {res['machine']['loadavg_start']} at the start, "
+                        f"{res['machine']['loadavg_end']} at the end, bench at nice {res['machine']['nice']} "
+                        "(other processes share the machine).")
+    res["notes"].append("greedy = HF f32: how many of the first greedy tokens equal HF f32's; the fixture is "
+                        "random, its logits are nearly flat, so any quantization flips an early argmax and the "
+                        "continuations then differ (an equal prefix checks that an engine computes the same model).")
+    res["notes"].append("decode tok/s = decode forwards / their wall time (one new token per forward, "
+                        "the prompt forward excluded); prefill tok/s = prompt tokens / prompt forward time.")
+    res["notes"].append("colibri: one fresh process per measurement (`python -m colibri run`, OMP_NUM_THREADS="
+                        f"{args.threads}); HF/llama.cpp: one subprocess per configuration, warm-up + runs inside.")
+    return res
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="colibri vs HF transformers vs llama.cpp on the benchmark fixture.")
+    ap.add_argument("--model", default=None,
+                    help="the f32 fixture directory (built when missing; default WORK/bench_model)")
+    ap.add_argument("--work", default="/tmp/colibri_bench", help="where converted files go")
+    ap.add_argument("--runs", type=int, default=3, help="measured runs per configuration (median)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens to decode (greedy)")
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
+    ap.add_argument("--threads", type=int, default=2, help="threads for every engine (default 2)")
+    ap.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
+    ap.add_argument("--skip-llama", action="store_true", help="leave out llama.cpp")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds allowed for each peer subprocess")
+    ap.add_argument("--quiet-wait", type=float, default=60.0, metavar="S",
+                    help="before each measured run, wait up to S seconds for the other processes on the "
+                         "machine to use < 25%% of the CPUs (0 = never wait; default 60)")
+    ap.add_argument("--retries", type=int, default=3, metavar="N",
+                    help="extra runs allowed per configuration to replace runs during which other "
+                         "processes took >= 15%% of the CPUs (default 3)")
+    # internal: worker subprocesses
+    ap.add_argument("--worker", choices=("hf", "llama", "gguf-convert", "quantize", "pad", "bandwidth"),
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="f32", help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-ids", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--outtype", default="f32", help=argparse.SUPPRESS)
+    ap.add_argument("--llama-src", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def worker_main(args) -> int:
+    ids = [int(x) for x in args.prompt_ids.split(",")] if args.prompt_ids else []
+    if args.worker == "hf":
+        emit_worker_result(hf_worker(args.model, args.dtype, ids, args.tokens, args.runs, args.threads,
+                                     args.quiet_wait, args.retries))
+    elif args.worker == "llama":
+        emit_worker_result(llama_worker(args.model, ids, args.tokens, args.runs, args.threads,
+                                        args.quiet_wait, args.retries))
+    elif args.worker == "gguf-convert":
+        gguf_convert_worker(args.llama_src, args.model, args.out, args.outtype)
+    elif args.worker == "pad":
+        emit_worker_result(pad_indexer_for_llama(args.model, args.out))
+    elif args.worker == "bandwidth":
+        emit_worker_result(measure_bandwidth())
+    elif args.worker == "quantize":
+        emit_worker_result(quantize_worker(args.model, args.out, args.outtype, args.threads))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        return worker_main(args)
+    if args.runs < 1 or args.tokens < 2 or args.prompt_len < 1:
+        raise SystemExit("bench: --runs >= 1, --tokens >= 2 and --prompt-len >= 1 are required")
+    res = run_bench(args)
+    text = render_report(res)
+    sys.stdout.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1210 @@
+#!/usr/bin/env python3
+"""Build colibri's embedded default model: a small, trained ``glm_moe_dsa`` with a native MTP head.
+
+The whole pipeline, reproducible with fixed seeds (CPU, torch 2.13.0, transformers 5.x):
+
+  train    corpus (the running interpreter's standard library, split by file), byte-level BPE
+           tokenizer, GlmMoeDsaForCausalLM + MTP layer trained jointly, f32 HF checkpoint in
+           --out (outside the repository).
+  convert  ``python -m colibri convert`` of that checkpoint into colibri/models/default
+           (or --dst), int4 or int8 experts/dense, int8 io and MTP.
+  ref      tests/data/default_ref.json: transformers on the container's DEQUANTIZED weights.
+  eval     held-out loss of containers, MTP acceptance and decode speed through the CLI.
+
+    nice -n 5 python tools/train_tiny.py train --out /tmp/colibri_tiny_f32
+    python tools/train_tiny.py convert --out /tmp/colibri_tiny_f32 --bits 4
+    python tools/train_tiny.py ref
+    python tools/train_tiny.py eval --model colibri/models/default
+
+Architecture (GLM-5 ``glm_moe_dsa``, scaled down): MLA with q_lora and kv_lora, interleaved
+default RoPE, sigmoid-routed MoE with e_score_correction_bias (aux-loss-free balancing: the bias
+is nudged against each step's expert load, DeepSeek-V3 style, plus a small balance loss), one
+shared expert, first layer dense, norm_topk_prob, routed_scaling_factor 2.5, and a DSA indexer in
+every layer. HF runs the indexer under no_grad, so its weights stay at their initialisation; the
+context (max_position_embeddings) therefore equals index_topk and the selection never drops a key.
+
+MTP (DeepSeek-V3 / GLM-5, the convention colibri's engine drafts with), for position i with h_i the
+last main layer's residual before ``model.norm`` and t the tokens:
+
+    hx_i  = eh_proj . [enorm(embed(t_{i+1})) ; hnorm(model.norm(h_i))]
+    o_i   = MTP decoder layer (MLA + MoE, causal and dense over hx_0..hx_i, position i)
+    logits_mtp_i = lm_head(shared_head.norm(o_i))  ->  t_{i+2}
+
+    loss = CE_main + MTP_LAMBDA * CE_mtp
+
+The MTP layer is saved as ``model.layers.{num_hidden_layers}.*`` with per-expert names (HF drops it
+on load; colibri reads it).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+
+# Before torch loads: OpenMP workers that spin while waiting collapse (10x slower steps) when the
+# two cores are shared with other jobs; passive waiting costs little when they are not.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG_MODEL = os.path.join(ROOT, "colibri", "models", "default")
+REF_PATH = os.path.join(ROOT, "tests", "data", "default_ref.json")
+DEFAULT_OUT = "/tmp/colibri_tiny_f32"
+
+# ----------------------------------------------------------------------------------------------
+# Fixed experiment definition
+# ----------------------------------------------------------------------------------------------
+
+SEED = 20260311
+HELDOUT_PERCENT = 5                     # files whose sha256(relative path) % 100 < this are held out
+SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
+EOS = "<|endoftext|>"
+VOCAB = 4096
+
+MODEL = dict(
+    vocab_size=VOCAB,
+    hidden_size=256,
+    intermediate_size=768,              # the dense layer(s)
+    moe_intermediate_size=256,
+    num_hidden_layers=5,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=16,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+    attention_bias=False,
+    max_position_embeddings=2048,
+    index_topk=2048,                    # = the context: the (untrained) indexer never drops a key
+    index_head_dim=32,
+    index_n_heads=4,
+    initializer_range=0.02,
+)
+
+TRAIN = dict(
+    seq_len=512,
+    batch=8,
+    steps=880,
+    lr=2e-3,
+    min_lr_frac=0.1,
+    warmup=40,
+    weight_decay=0.1,
+    betas=(0.9, 0.95),
+    grad_clip=1.0,
+    mtp_lambda=0.3,
+    bias_update=3e-3,                   # e_score_correction_bias step per update (DeepSeek-V3's gamma)
+    balance_alpha=1e-3,                 # small batch-wise expert balance loss
+    log_every=25,
+    eval_every=220,
+    max_minutes=55,                     # safety stop of the training loop (wall clock)
+    eval_windows=24,                    # held-out windows for the in-training evaluation
+)
+
+# Held-out prompts for the MTP / speed measurements: the first lines of held-out files, cut at a
+# code line boundary. Filled in by heldout_prompts().
+N_PROMPTS = 12
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Corpus and split
+# ----------------------------------------------------------------------------------------------
+
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def is_heldout(rel: str) -> bool:
+    h = int(hashlib.sha256(rel.encode("utf-8")).hexdigest()[:8], 16)
+    return h % 100 < HELDOUT_PERCENT
+
+
+def corpus_files():
+    """(relative path, absolute path) of every .py file of the stdlib, sorted, test dirs skipped."""
+    root = stdlib_root()
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in SKIP_DIRS)
+        for f in sorted(files):
+            if f.endswith(".py"):
+                p = os.path.join(d, f)
+                out.append((os.path.relpath(p, root).replace(os.sep, "/"), p))
+    out.sort()
+    return out
+
+
+def read_source(path: str) -> str:
+    with open(path, "rb") as f:
+        raw = f.read()
+    return raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
+
+
+def load_corpus():
+    files = corpus_files()
+    train, held = [], []
+    for rel, p in files:
+        (held if is_heldout(rel) else train).append((rel, read_source(p)))
+    return train, held
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------
+
+def train_tokenizer(texts):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, min_frequency=2, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    assert tok.token_to_id(EOS) == 0 and tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    return tok
+
+
+def tokenizer_config() -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": MODEL["max_position_embeddings"],
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "bos_token": None,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def token_stream(tok, docs) -> np.ndarray:
+    """Documents encoded and concatenated, each followed by <|endoftext|>."""
+    eos = tok.token_to_id(EOS)
+    parts = []
+    for enc in tok.encode_batch([t for _, t in docs]):
+        parts.append(np.asarray(enc.ids, dtype=np.uint16))
+        parts.append(np.asarray([eos], dtype=np.uint16))
+    return np.concatenate(parts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Model + MTP head
+# ----------------------------------------------------------------------------------------------
+
+def _torch():
+    import torch
+    return torch
+
+
+def build_config(attn="eager"):
+    from transformers import GlmMoeDsaConfig
+    cfg = GlmMoeDsaConfig(**MODEL, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    cfg._attn_implementation = attn
+    return cfg
+
+
+def mtp_config(cfg):
+    """The config in which layer NL (the MTP layer) exists: MoE, no indexer ("shared": the caller
+    hands it top-k indices that list every key, so only the causal mask applies)."""
+    from transformers import GlmMoeDsaConfig
+    NL = cfg.num_hidden_layers
+    kw = dict(MODEL, num_hidden_layers=NL + 1, indexer_types=list(cfg.indexer_types) + ["shared"])
+    m = GlmMoeDsaConfig(**kw, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    m._attn_implementation = cfg._attn_implementation
+    m._experts_implementation = "eager"
+    assert m.mlp_layer_types[NL] == "sparse" and m.mlp_layer_types[:NL] == cfg.mlp_layer_types
+    assert m.indexer_types[:NL] == cfg.indexer_types
+    return m
+
+
+def make_mtp_head(cfg):
+    torch = _torch()
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
+
+    class MtpHead(torch.nn.Module):
+        """The MTP module's own weights; embed_tokens, model.norm and lm_head are the main model's."""
+
+        def __init__(self, mcfg, layer_idx):
+            super().__init__()
+            D, eps = mcfg.hidden_size, mcfg.rms_norm_eps
+            self.mcfg = mcfg
+            self.layer_idx = layer_idx
+            self.layer = hf.GlmMoeDsaDecoderLayer(mcfg, layer_idx)
+            self.eh_proj = torch.nn.Linear(2 * D, D, bias=False)
+            self.enorm = hf.GlmMoeDsaRMSNorm(D, eps=eps)
+            self.hnorm = hf.GlmMoeDsaRMSNorm(D, eps=eps)
+            self.shared_head_norm = hf.GlmMoeDsaRMSNorm(D, eps=eps)
+
+        def init_weights(self, std):
+            with torch.no_grad():
+                for name, p in self.named_parameters():
+                    if p.dim() >= 2:
+                        p.normal_(0.0, std)
+                    else:
+                        p.fill_(1.0)             # RMSNorm weights (no biases anywhere)
+                self.layer.mlp.gate.e_score_correction_bias.zero_()
+
+    mcfg = mtp_config(cfg)
+    head = MtpHead(mcfg, cfg.num_hidden_layers)
+    assert head.layer.self_attn.indexer is None
+    return head
+
+
+def mtp_forward(head, lm, ids_next, hn):
+    """MTP logits for rows i = 0..S-1: ids_next[:, i] = t_{i+1}, hn[:, i] = model.norm(h_i).
+    Rows sit at positions 0..S-1; causal, dense attention."""
+    torch = _torch()
+    from transformers.masking_utils import create_causal_mask
+    e = head.enorm(lm.model.embed_tokens(ids_next))
+    hx = head.eh_proj(torch.cat([e, head.hnorm(hn)], dim=-1))
+    B, S, _ = hx.shape
+    pos = torch.arange(S, dtype=torch.long)[None].expand(B, S)
+    mask = create_causal_mask(config=head.mcfg, inputs_embeds=hx, attention_mask=None, cache=None,
+                              position_ids=pos, allow_is_causal_skip=False)
+    cos_sin = lm.model.rotary_emb(hx, position_ids=pos)
+    all_keys = torch.arange(S, dtype=torch.int32).expand(B, S, S)
+    o, _ = head.layer(hx, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin,
+                      prev_topk_indices=all_keys)
+    return lm.lm_head(head.shared_head_norm(o))
+
+
+def losses(lm, head, x, reduction="mean"):
+    """x: [B, T+1] token windows. Main CE over T positions, MTP CE over T-1 positions."""
+    torch = _torch()
+    F = torch.nn.functional
+    inp = x[:, :-1]
+    out = lm.model(input_ids=inp, use_cache=False)
+    hn = out.last_hidden_state                                   # model.norm(h)
+    logits = lm.lm_head(hn)
+    V = logits.shape[-1]
+    main = F.cross_entropy(logits.reshape(-1, V).float(), x[:, 1:].reshape(-1), reduction=reduction)
+    mlog = mtp_forward(head, lm, inp[:, 1:], hn[:, :-1])
+    mtp = F.cross_entropy(mlog.reshape(-1, V).float(), x[:, 2:].reshape(-1), reduction=reduction)
+    return main, mtp
+
+
+# The training forward: the same computation as HF's modules (and their weights), faster on CPU.
+# HF's eager path materialises [B, H, S, S] masks and scores, and runs the DSA indexer (no_grad;
+# with index_topk >= the context it selects every key, so it changes nothing); this path uses
+# SDPA's flash kernel (values zero-padded to the q/k head dim) with the causal mask, a float32
+# router outside autocast, and per-expert slices of the tokens sorted by expert.
+# fast_losses(...) == losses(...) is checked at the start and end of training (check_fast_path).
+
+def _fast_attn(a, x, cos, sin):
+    torch = _torch()
+    F = torch.nn.functional
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+    B, S, _ = x.shape
+    H, nope, rope, vd = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+    q = a.q_b_proj(a.q_a_layernorm(a.q_a_proj(x))).view(B, S, H, nope + rope).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
+    kv_pass, k_rot = torch.split(a.kv_a_proj_with_mqa(x), [a.kv_lora_rank, rope], dim=-1)
+    k_rot = k_rot.reshape(B, 1, S, rope)
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    kv = a.kv_b_proj(a.kv_a_layernorm(kv_pass)).view(B, S, H, nope + vd).transpose(1, 2)
+    k_nope, v = torch.split(kv, [nope, vd], dim=-1)
+    k = torch.cat([k_nope, k_rot.expand(B, H, S, rope).to(k_nope.dtype)], dim=-1)
+    q = torch.cat([q_pass, q_rot.to(q_pass.dtype)], dim=-1)
+    dq = nope + rope
+    vp = F.pad(v, (0, dq - vd)) if dq > vd else v
+    o = F.scaled_dot_product_attention(q, k.to(q.dtype), vp.to(q.dtype), is_causal=True, scale=a.scaling)
+    o = o[..., :vd].transpose(1, 2).reshape(B, S, H * vd)
+    return a.o_proj(o)
+
+
+def _fast_moe(mlp, x, mon):
+    torch = _torch()
+    F = torch.nn.functional
+    B, S, D = x.shape
+    xs = x.reshape(-1, D)
+    gate, ex = mlp.gate, mlp.experts
+    E, K = gate.num_experts, gate.top_k
+    with torch.autocast("cpu", enabled=False):
+        rl = F.linear(xs.float(), gate.weight.float())
+        scores = rl.sigmoid()
+        idx = torch.topk(scores.detach() + gate.e_score_correction_bias, K, dim=-1).indices
+        w = scores.gather(1, idx)
+        if gate.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        w = w * gate.routed_scaling_factor
+    if mon is not None:
+        mon.record(gate, rl, idx)
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tok = order // K
+    counts = torch.bincount(flat, minlength=E).tolist()
+    xin = xs[tok]
+    outs, s0 = [], 0
+    I = ex.intermediate_dim
+    gate_up, down = ex.gate_up_proj.unbind(0), ex.down_proj.unbind(0)   # one gradient buffer each
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        seg = xin[s0:s0 + c]
+        gu = F.linear(seg, gate_up[e])
+        outs.append(F.linear(F.silu(gu[:, :I]) * gu[:, I:], down[e]))
+        s0 += c
+    y = torch.cat(outs).float() * w.reshape(-1)[order, None]
+    out = torch.zeros(xs.shape[0], D, dtype=y.dtype).index_add(0, tok, y)
+    return out.view(B, S, D) + mlp.shared_experts(x)
+
+
+def _fast_layer(layer, x, cos, sin, mon):
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaMoE
+    x = x + _fast_attn(layer.self_attn, layer.input_layernorm(x), cos, sin)
+    y = layer.post_attention_layernorm(x)
+    y = _fast_moe(layer.mlp, y, mon) if isinstance(layer.mlp, GlmMoeDsaMoE) else layer.mlp(y)
+    return x + y
+
+
+def fast_losses(lm, head, x, mon=None, reduction="mean"):
+    torch = _torch()
+    F = torch.nn.functional
+    inp = x[:, :-1]
+    B, S = inp.shape
+    pos = torch.arange(S, dtype=torch.long)[None]
+    h = lm.model.embed_tokens(inp)
+    cos, sin = lm.model.rotary_emb(h, position_ids=pos)
+    for layer in lm.model.layers:
+        h = _fast_layer(layer, h, cos, sin, mon)
+    hn = lm.model.norm(h)
+    logits = lm.lm_head(hn)
+    V = logits.shape[-1]
+    main = F.cross_entropy(logits.reshape(-1, V).float(), x[:, 1:].reshape(-1), reduction=reduction)
+    e = head.enorm(lm.model.embed_tokens(inp[:, 1:]))
+    hx = head.eh_proj(torch.cat([e.to(hn.dtype), head.hnorm(hn[:, :-1]).to(hn.dtype)], dim=-1))
+    o = _fast_layer(head.layer, hx, cos[:, :S - 1], sin[:, :S - 1], mon)
+    mlog = lm.lm_head(head.shared_head_norm(o))
+    mtp = F.cross_entropy(mlog.reshape(-1, V).float(), x[:, 2:].reshape(-1), reduction=reduction)
+    return main, mtp
+
+
+def check_fast_path(lm, head, x):
+    """max |fast_losses - losses| (HF modules, eager) per token, f32, on the same batch."""
+    torch = _torch()
+    with torch.no_grad():
+        a = losses(lm, head, x, reduction="none")
+        b = fast_losses(lm, head, x, reduction="none")
+    return max(float((a[0] - b[0]).abs().max()), float((a[1] - b[1]).abs().max()))
+
+
+class RouterMonitor:
+    """Expert loads of every router (for the bias update) and the batch-wise balance loss,
+    recorded by the training forward."""
+
+    def __init__(self, routers, n_experts, top_k):
+        self.routers = list(routers)
+        self.E, self.K = n_experts, top_k
+        self.reset()
+
+    def reset(self):
+        torch = _torch()
+        self.loads = [torch.zeros(self.E) for _ in self.routers]
+        self.aux = []
+
+    def record(self, gate, router_logits, idx):
+        torch = _torch()
+        i = next(j for j, r in enumerate(self.routers) if r is gate)
+        cnt = torch.bincount(idx.reshape(-1), minlength=self.E).float()
+        self.loads[i] += cnt
+        if torch.is_grad_enabled():
+            s = torch.sigmoid(router_logits.float())
+            p = (s / s.sum(-1, keepdim=True)).mean(0)                  # mean normalised affinity
+            f = cnt / (idx.shape[0] * self.K) * self.E                 # load fraction x E
+            self.aux.append((f * p).sum())
+
+    def update_bias(self, gamma):
+        torch = _torch()
+        with torch.no_grad():
+            for mod, load in zip(self.routers, self.loads):
+                mod.e_score_correction_bias += gamma * torch.sign(load.mean() - load)
+
+    def imbalance(self):
+        return [float(l.max() / max(float(l.mean()), 1e-9)) for l in self.loads]
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint IO
+# ----------------------------------------------------------------------------------------------
+
+EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+MTP_EXTRA = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight")
+
+
+def config_dict(cfg) -> dict:
+    d = json.loads(cfg.to_json_string(use_diff=False))
+    d.pop("_name_or_path", None)
+    d["architectures"] = ["GlmMoeDsaForCausalLM"]
+    d["dtype"] = "float32"
+    d["num_nextn_predict_layers"] = 1
+    return d
+
+
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def mtp_state(head) -> dict:
+    """model.layers.{NL}.* tensors: the decoder layer (per-expert names, no indexer) + MTP extras."""
+    pre = f"model.layers.{head.layer_idx}."
+    I = head.mcfg.moe_intermediate_size
+    out = {}
+    for k, v in head.layer.state_dict().items():
+        assert ".indexer." not in k, k
+        if k == "mlp.experts.gate_up_proj":
+            for e in range(v.shape[0]):
+                out[pre + f"mlp.experts.{e}.gate_proj.weight"] = v[e, :I]
+                out[pre + f"mlp.experts.{e}.up_proj.weight"] = v[e, I:]
+        elif k == "mlp.experts.down_proj":
+            for e in range(v.shape[0]):
+                out[pre + f"mlp.experts.{e}.down_proj.weight"] = v[e]
+        else:
+            out[pre + k] = v
+    out[pre + "eh_proj.weight"] = head.eh_proj.weight
+    out[pre + "enorm.weight"] = head.enorm.weight
+    out[pre + "hnorm.weight"] = head.hnorm.weight
+    out[pre + "shared_head.norm.weight"] = head.shared_head_norm.weight
+    return {k: v.detach().float().contiguous().clone() for k, v in out.items()}
+
+
+def load_mtp_head(cfg, sd: dict):
+    """An MTP head filled from checkpoint tensors (per-expert names), bit-exact."""
+    torch = _torch()
+    head = make_mtp_head(cfg)
+    pre = f"model.layers.{head.layer_idx}."
+    E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+    lsd = {}
+    for k in head.layer.state_dict():
+        if k == "mlp.experts.gate_up_proj":
+            lsd[k] = torch.stack([torch.cat([sd[pre + f"mlp.experts.{e}.gate_proj.weight"],
+                                             sd[pre + f"mlp.experts.{e}.up_proj.weight"]]) for e in range(E)])
+        elif k == "mlp.experts.down_proj":
+            lsd[k] = torch.stack([sd[pre + f"mlp.experts.{e}.down_proj.weight"] for e in range(E)])
+        else:
+            lsd[k] = sd[pre + k]
+    head.layer.load_state_dict(lsd, strict=True)
+    with torch.no_grad():
+        head.eh_proj.weight.copy_(sd[pre + "eh_proj.weight"])
+        head.enorm.weight.copy_(sd[pre + "enorm.weight"])
+        head.hnorm.weight.copy_(sd[pre + "hnorm.weight"])
+        head.shared_head_norm.weight.copy_(sd[pre + "shared_head.norm.weight"])
+    back = mtp_state(head)
+    for k, v in back.items():
+        assert torch.equal(v, sd[k].float()), f"MTP load mismatch {k}"
+    return head.eval()
+
+
+def check_names(names, cfg):
+    """Per-expert names for every sparse layer and the MTP layer; MTP extras; no MTP indexer."""
+    NL, E = cfg.num_hidden_layers, cfg.n_routed_experts
+    assert not any("gate_up_proj" in n for n in names), "fused experts saved"
+    sparse = [i for i, t in enumerate(cfg.mlp_layer_types) if t == "sparse"] + [NL]
+    found = {(int(m.group(1)), int(m.group(2)), m.group(3)) for m in map(EXPERT_RE.match, names) if m}
+    want = {(i, e, p) for i in sparse for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")}
+    assert found == want, sorted(found ^ want)[:5]
+    pre = f"model.layers.{NL}."
+    for x in MTP_EXTRA:
+        assert pre + x in names, x
+    assert not any(n.startswith(pre + "self_attn.indexer.") for n in names)
+    assert f"{pre}mlp.gate.e_score_correction_bias" in names
+    assert not any(n.startswith(f"model.layers.{NL + 1}.") for n in names)
+
+
+def save_checkpoint(lm, head, tok, out, meta):
+    """save_pretrained (main model) + the MTP layer merged into model.safetensors, config with
+    num_nextn_predict_layers = 1, tokenizer files, and a bit-exact reload check."""
+    torch = _torch()
+    from safetensors.torch import load_file, save_file
+    os.makedirs(out, exist_ok=True)
+    lm.save_pretrained(out, safe_serialization=True)
+    st = os.path.join(out, "model.safetensors")
+    sd = load_file(st)
+    extra = mtp_state(head)
+    assert not set(extra) & set(sd)
+    sd.update(extra)
+    assert all(v.dtype == torch.float32 for v in sd.values())
+    save_file(sd, st, metadata={"format": "pt"})
+    check_names(list(sd), lm.config)
+    write_json(os.path.join(out, "config.json"), config_dict(lm.config))
+    tok.save(os.path.join(out, "tokenizer.json"))
+    write_json(os.path.join(out, "tokenizer_config.json"), tokenizer_config())
+    write_json(os.path.join(out, "train_meta.json"), meta)
+    # reload: main model via from_pretrained (layer NL ignored by HF), head from the file
+    lm2 = load_main(out)
+    want = lm.state_dict()
+    got = lm2.state_dict()
+    assert set(got) == set(want), set(got) ^ set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"reload mismatch {k}"
+    load_mtp_head(lm.config, sd)
+    return lm2
+
+
+def load_main(d, attn="eager"):
+    """The main model through from_pretrained (it reports layer NL's tensors as unexpected and
+    ignores them: HF has no MTP head)."""
+    torch = _torch()
+    from transformers import GlmMoeDsaForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    m = GlmMoeDsaForCausalLM.from_pretrained(d, attn_implementation=attn, dtype=torch.float32)
+    return m.eval()
+
+
+def load_checkpoint(d, attn="eager"):
+    from safetensors.torch import load_file
+    lm = load_main(d, attn)
+    head = load_mtp_head(lm.config, load_file(os.path.join(d, "model.safetensors")))
+    return lm, head
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation helpers (torch)
+# ----------------------------------------------------------------------------------------------
+
+def windows(stream: np.ndarray, T: int, limit=None):
+    """Non-overlapping [T+1]-token windows over a stream (consecutive windows share one token)."""
+    n = (len(stream) - 1) // T
+    if limit is not None:
+        n = min(n, limit)
+    return np.stack([stream[i * T: i * T + T + 1] for i in range(n)]).astype(np.int64)
+
+
+def eval_loss(lm, head, stream, T, limit=None, batch=8, fast=False):
+    """Mean per-token CE (nats) of the main model and of the MTP head over held-out windows
+    (f32; fast=True: the training forward, else HF's modules)."""
+    torch = _torch()
+    W = windows(stream, T, limit)
+    tot_m = tot_t = 0.0
+    n_m = n_t = 0
+    with torch.no_grad():
+        for i in range(0, len(W), batch):
+            x = torch.from_numpy(W[i:i + batch])
+            m, t = (fast_losses(lm, head, x, reduction="sum") if fast
+                    else losses(lm, head, x, reduction="sum"))
+            tot_m += float(m)
+            tot_t += float(t)
+            n_m += x.shape[0] * (x.shape[1] - 1)
+            n_t += x.shape[0] * (x.shape[1] - 2)
+    return tot_m / n_m, tot_t / n_t, len(W)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+def lr_at(step, tr):
+    if step < tr["warmup"]:
+        return tr["lr"] * (step + 1) / tr["warmup"]
+    p = (step - tr["warmup"]) / max(1, tr["steps"] - tr["warmup"])
+    return tr["lr"] * (tr["min_lr_frac"] + (1 - tr["min_lr_frac"]) * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
+
+
+def param_groups(modules, wd):
+    decay, no_decay = [], []
+    for mod in modules:
+        for _, p in mod.named_parameters():
+            if not p.requires_grad:
+                continue
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def cmd_train(args):
+    torch = _torch()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)          # subnormal floats (tiny Adam moments) are very slow on CPU
+    from transformers import GlmMoeDsaForCausalLM
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
+
+    tr = dict(TRAIN)
+    for k in ("steps", "batch", "seq_len", "lr"):
+        if getattr(args, k) is not None:
+            tr[k] = getattr(args, k)
+    t_all = time.time()
+
+    # 1. corpus
+    train_docs, held_docs = load_corpus()
+    log(f"corpus: {stdlib_root()}: {len(train_docs) + len(held_docs)} files; train {len(train_docs)} files "
+        f"({sum(len(t) for _, t in train_docs) / 1e6:.2f} MB), held-out {len(held_docs)} files "
+        f"({sum(len(t) for _, t in held_docs) / 1e6:.2f} MB)")
+
+    # 2. tokenizer (trained on the training files only)
+    t0 = time.time()
+    tok = train_tokenizer([t for _, t in train_docs])
+    train_ids = token_stream(tok, train_docs)
+    held_ids = token_stream(tok, held_docs)
+    log(f"tokenizer: BPE vocab {tok.get_vocab_size()} in {time.time() - t0:.1f}s; train {len(train_ids)} tokens "
+        f"({sum(len(t) for _, t in train_docs) / len(train_ids):.2f} chars/token), held-out {len(held_ids)} tokens")
+
+    # 3. model
+    torch.manual_seed(SEED)
+    cfg = build_config(args.attn)
+    lm = GlmMoeDsaForCausalLM(cfg)
+    head = make_mtp_head(cfg)
+    head.init_weights(cfg.initializer_range)
+    lm.train()
+    head.train()
+    n_main = sum(p.numel() for p in lm.parameters())
+    n_head = sum(p.numel() for p in head.parameters())
+    n_idx = sum(p.numel() for n, p in lm.named_parameters() if ".indexer." in n)
+    D, I, E, K = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    n_inactive = sum(1 for t in cfg.mlp_layer_types if t == "sparse") * (E - K) * 3 * D * I
+    log(f"model: {n_main / 1e6:.2f}M params main ({(n_main - n_inactive - n_idx) / 1e6:.2f}M active per token, "
+        f"{n_idx / 1e6:.3f}M indexer), MTP head {n_head / 1e6:.2f}M; mlp {cfg.mlp_layer_types}, "
+        f"indexer {cfg.indexer_types}")
+
+    routers = [m for m in list(lm.modules()) + list(head.modules()) if isinstance(m, hf.GlmMoeDsaTopkRouter)]
+    mon = RouterMonitor(routers, E, K)
+    opt = torch.optim.AdamW(param_groups([lm, head], tr["weight_decay"]), lr=tr["lr"], betas=tr["betas"],
+                            eps=1e-8)
+    rng = np.random.default_rng(SEED)
+    T, B = tr["seq_len"], tr["batch"]
+    probe = torch.from_numpy(windows(held_ids, T, 2))
+    d0 = check_fast_path(lm, head, probe)
+    log(f"training forward vs HF modules (f32, 2 held-out windows, at init): max |dloss| {d0:.2e}")
+    assert d0 < 1e-3, d0
+    n_start = len(train_ids) - T - 1
+    eval_stream = held_ids
+    curve = []
+    t_train = time.time()
+    tok_seen = 0
+    steps = tr["steps"] if args.bench is None else args.bench
+    stopped_early = None
+    for step in range(steps):
+        if time.time() - t_train > 60 * tr["max_minutes"]:
+            stopped_early = step
+            log(f"WARNING: wall-clock cap of {tr['max_minutes']} min reached at step {step}; stopping")
+            break
+        starts = rng.integers(0, n_start, size=B)
+        x = torch.from_numpy(np.stack([train_ids[s:s + T + 1] for s in starts]).astype(np.int64))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, tr)
+        mon.reset()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            main, mtp = fast_losses(lm, head, x, mon)
+        aux = torch.stack(mon.aux).mean() if mon.aux else torch.zeros(())
+        loss = main + tr["mtp_lambda"] * mtp + tr["balance_alpha"] * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], tr["grad_clip"])
+        opt.step()
+        mon.update_bias(tr["bias_update"])
+        tok_seen += B * T
+        if step % tr["log_every"] == 0 or step == steps - 1 or args.bench is not None:
+            el = time.time() - t_train
+            imb = mon.imbalance()
+            log(f"step {step:5d} | loss {main.item():.4f} mtp {mtp.item():.4f} aux {aux.item():.3f} | "
+                f"lr {lr_at(step, tr):.2e} gn {float(gn):.2f} | max/mean load {max(imb):.2f} | "
+                f"{tok_seen / el:.0f} tok/s, {el / 60:.1f} min")
+            curve.append({"step": step, "loss": round(main.item(), 4), "mtp_loss": round(mtp.item(), 4),
+                          "elapsed_s": round(el, 1)})
+        if args.bench is None and ((step + 1) % tr["eval_every"] == 0 and step + 1 < steps):
+            lm.eval(); head.eval()
+            hm, ht, nw = eval_loss(lm, head, eval_stream, T, limit=tr["eval_windows"], fast=True)
+            lm.train(); head.train()
+            log(f"  held-out ({nw} windows): main {hm:.4f} mtp {ht:.4f}")
+            curve[-1].update({"heldout_subset_loss": round(hm, 4), "heldout_subset_mtp": round(ht, 4)})
+    train_s = time.time() - t_train
+    if stopped_early is not None:
+        steps = stopped_early
+    log(f"trained {steps} steps ({tok_seen / 1e6:.2f}M tokens, {tok_seen / len(train_ids):.2f} epochs) "
+        f"in {train_s / 60:.1f} min")
+    lm.eval(); head.eval()
+    d1 = check_fast_path(lm, head, probe)
+    log(f"training forward vs HF modules (f32, 2 held-out windows, trained): max |dloss| {d1:.2e}")
+    assert d1 < 1e-3, d1
+    if args.bench is not None:
+        return 0
+
+    # 4. save + evaluate the saved checkpoint
+    meta = {
+        "seed": SEED,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "python": sys.version.split()[0],
+        "stdlib": stdlib_root(),
+        "heldout_rule": f"int(sha256(relative path)[:8 hex], 16) % 100 < {HELDOUT_PERCENT}",
+        "skip_dirs": sorted(SKIP_DIRS),
+        "train_files": len(train_docs),
+        "heldout_files": [r for r, _ in held_docs],
+        "train_tokens": int(len(train_ids)),
+        "heldout_tokens": int(len(held_ids)),
+        "train": {k: v for k, v in tr.items()},
+        "params_main": n_main,
+        "params_mtp": n_head,
+        "params_indexer": n_idx,
+        "steps": steps,
+        "stopped_early_at": stopped_early,
+        "tokens_seen": tok_seen,
+        "train_seconds": round(train_s, 1),
+        "threads": args.threads,
+        "bf16_autocast": args.bf16,
+        "fast_path_check": {"init": d0, "trained": d1},
+        "curve": curve,
+    }
+    lm2 = save_checkpoint(lm, head, tok, args.out, meta)
+    _, head2 = load_checkpoint(args.out)
+    hm, ht, nw = eval_loss(lm2, head2, held_ids, T, fast=True)
+    meta["heldout_loss"] = round(hm, 4)
+    meta["heldout_mtp_loss"] = round(ht, 4)
+    meta["heldout_windows"] = nw
+    meta["total_seconds"] = round(time.time() - t_all, 1)
+    write_json(os.path.join(args.out, "train_meta.json"), meta)
+    log(f"held-out ({nw} windows of {T}): main loss {hm:.4f} (ppl {math.exp(hm):.2f}), "
+        f"MTP (t+2) loss {ht:.4f} (ppl {math.exp(ht):.2f})")
+    log(f"saved {args.out}; total {meta['total_seconds'] / 60:.1f} min")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Containers: conversion and dequantization
+# ----------------------------------------------------------------------------------------------
+
+CONTAINER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                   "colibri_convert.json")
+
+
+def colibri_cli(*args, check=True, timeout=900):
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)         # the engine runs as it would for a user
+    p = subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"colibri {' '.join(map(str, args))}: exit {p.returncode}\n{p.stderr}")
+    return p
+
+
+def convert_container(src, dst, bits, mtp_bits=8):
+    """``python -m colibri convert`` into a fresh folder, then moved to dst (MODEL_CARD.md kept)."""
+    tmp = dst.rstrip("/") + ".converting"
+    shutil.rmtree(tmp, ignore_errors=True)
+    colibri_cli("convert", src, tmp, "--expert-bits", bits, "--dense-bits", bits, "--io-bits", 8,
+                "--mtp-bits", mtp_bits)
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(dst):
+        if f in CONTAINER_FILES or re.match(r"^out-\d+\.safetensors$", f):
+            os.remove(os.path.join(dst, f))
+    for f in sorted(os.listdir(tmp)):
+        shutil.move(os.path.join(tmp, f), os.path.join(dst, f))
+    os.rmdir(tmp)
+    return container_bytes(dst)
+
+
+def container_bytes(d):
+    return sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d) if f.endswith(".safetensors"))
+
+
+def dequantized_state(container, f32_dir) -> dict:
+    """The container's tensors under HF names, quantized matrices dequantized (v * s) to f32 exactly
+    as the engine's float path reads them; shapes from the f32 checkpoint."""
+    from safetensors.numpy import load_file
+
+    from colibri.quant import dequantize
+    ref = load_file(os.path.join(f32_dir, "model.safetensors"))
+    cont = {}
+    for f in sorted(os.listdir(container)):
+        if f.endswith(".safetensors"):
+            cont.update(load_file(os.path.join(container, f)))
+    out = {}
+    for k, v in ref.items():
+        if k + ".qs" in cont:
+            out[k] = dequantize(cont[k], cont[k + ".qs"], v.shape[0], v.shape[1], name=k)
+        else:
+            assert cont[k].dtype == np.float32 and cont[k].shape == v.shape, k
+            out[k] = cont[k]
+    used = set(out) | {k + ".qs" for k in out}
+    assert used >= set(cont), sorted(set(cont) - used)[:5]
+    return out
+
+
+def models_from_state(f32_dir, sd: dict):
+    """HF main model (eager, f32) + MTP head with the given HF-named state (per-expert names)."""
+    torch = _torch()
+    lm = load_main(f32_dir)
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()}
+    E, I = lm.config.n_routed_experts, lm.config.moe_intermediate_size
+    lsd = {}
+    for k in lm.state_dict():
+        m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", k)
+        if m and m.group(2) == "gate_up_proj":
+            lsd[k] = torch.stack([torch.cat([t[f"{m.group(1)}.{e}.gate_proj.weight"],
+                                             t[f"{m.group(1)}.{e}.up_proj.weight"]]) for e in range(E)])
+        elif m:
+            lsd[k] = torch.stack([t[f"{m.group(1)}.{e}.down_proj.weight"] for e in range(E)])
+        else:
+            lsd[k] = t[k]
+    lm.load_state_dict(lsd, strict=True)
+    assert lm.model.layers[1].mlp.experts.gate_up_proj.shape[1] == 2 * I
+    head = load_mtp_head(lm.config, t)
+    return lm.eval(), head
+
+
+def load_tokenizer(d):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+
+
+def heldout_prompts(n=N_PROMPTS):
+    """(file, prompt): the first top-level 'def NAME(...):' line of held-out files, sorted by path."""
+    _, held = load_corpus()
+    out = []
+    for rel, text in held:
+        for line in text.split("\n"):
+            if re.match(r"^def \w+\(.*\):$", line) and len(line) <= 72:
+                out.append((rel, line))
+                break
+        if len(out) == n:
+            break
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference for the test suite: transformers on the container's dequantized weights
+# ----------------------------------------------------------------------------------------------
+
+REF_NEW = 64
+CLI_PROMPT = "def fibonacci(n):"
+CLI_TOKENS = 24
+
+
+def _oracle():
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import make_oracle
+    return make_oracle
+
+
+def cmd_ref(args):
+    torch = _torch()
+    torch.set_num_threads(args.threads)
+    mo = _oracle()
+    tok = load_tokenizer(args.model)
+    lm, _ = models_from_state(args.src, dequantized_state(args.model, args.src))
+    eos = lm.config.eos_token_id
+    # the parity reference: a held-out prompt whose greedy continuation has no <|endoftext|> (the
+    # engine's generate() would not stop there, the CLI would) and no near-tie at the argmax
+    chosen = None
+    for rel, text in heldout_prompts(N_PROMPTS):
+        prompt = tok.encode(text).ids
+        ref = mo.compute_ref(lm, prompt, REF_NEW)
+        d = ref["diagnostics"]
+        log(f"  {rel}: {text!r}: {len(prompt)} + {REF_NEW} tokens, min margin "
+            f"{min(d['tf_min_argmax_margin'], d['greedy_min_argmax_margin']):.2e}, eos {d['eos_token_in_continuation']}, "
+            f"generate==cacheless {ref['generate_matches_cacheless']}")
+        if (not d["eos_token_in_continuation"] and ref["generate_matches_cacheless"]
+                and ref["tf_consistent_with_greedy"]):
+            chosen = (rel, text, ref)
+            break
+    assert chosen is not None, "no usable held-out prompt"
+    rel, text, ref = chosen
+    # the CLI reference: greedy continuation of CLI_PROMPT (cache-less argmax loop)
+    cli_ids = tok.encode(CLI_PROMPT).ids
+    ids = list(cli_ids)
+    with torch.no_grad():
+        for _ in range(CLI_TOKENS):
+            nxt = int(torch.argmax(mo.tf_forward(lm, ids)[-1]))
+            if nxt == eos:
+                break
+            ids.append(nxt)
+    cont = ids[len(cli_ids):]
+    manifest = json.load(open(os.path.join(args.model, "colibri_convert.json")))
+    rec = {
+        "transformers_version": __import__("transformers").__version__,
+        "torch_version": torch.__version__,
+        "model": "colibri/models/default (the embedded default model)",
+        "weights": "the container's quantized payloads dequantized (v * row scale) to f32; every other tensor "
+                   "as stored; run by transformers GlmMoeDsaForCausalLM, eager attention, f32",
+        "container_bits": manifest["bits"],
+        "attn_implementation": "eager",
+        "prompt_source": f"first top-level def line of held-out file {rel}",
+        "prompt_text": text,
+        "n_new": REF_NEW,
+        "generate_matches_cacheless": ref["generate_matches_cacheless"],
+        "tf_consistent_with_greedy": ref["tf_consistent_with_greedy"],
+        "diagnostics": ref["diagnostics"],
+        "logits_format": "float32, shortest round-trip decimal; logits[i] = teacher-forced logits at position i "
+                         "of full_ids (no cache); tf_pred[i] = argmax(logits[i])",
+        "cli": {"prompt": CLI_PROMPT, "max_tokens": CLI_TOKENS, "prompt_ids": cli_ids, "ids": cont,
+                "text": tok.decode(cont), "how": "transformers, cache-less greedy argmax loop, same weights"},
+        "prompt_ids": ref["prompt_ids"],
+        "full_ids": ref["full_ids"],
+        "tf_pred": ref["tf_pred"],
+        "greedy_logits_last": ref["greedy_logits_last"],
+        "logits": ref["logits"],
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    mo.write_ref(args.out, rec)
+    log(f"wrote {args.out}: prompt {text!r} ({len(ref['prompt_ids'])} tokens) + {REF_NEW}; CLI reference "
+        f"{CLI_PROMPT!r} -> {tok.decode(cont)!r}")
+    # the engine against it, as the test suite checks
+    import colibri
+    from colibri.parity import check, load_ref
+    res = check(colibri.model_init(args.model), load_ref(args.out))
+    log(f"engine vs reference: teacher forcing {res['tf_match']}/{res['tf_total']}, greedy "
+        f"{res['greedy_match']}/{res['greedy_total']}, max |dlogit| {res['max_abs_logit_diff']:.3g}")
+    p = colibri_cli("run", CLI_PROMPT, "--model", args.model, "--max-tokens", CLI_TOKENS, "--temperature", 0,
+                    "--quiet")
+    log(f"engine CLI: {p.stdout!r} ({'equal' if p.stdout == rec['cli']['text'] + chr(10) else 'DIFFERENT'})")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurements
+# ----------------------------------------------------------------------------------------------
+
+def _detail(lm, head, W, batch=8):
+    """Per-position main/MTP CE and argmax over windows W [N, T+1] (f32, the checked fast path)."""
+    torch = _torch()
+    F = torch.nn.functional
+    ce_m, ce_t, am_m, am_t = [], [], [], []
+    with torch.no_grad():
+        for i in range(0, len(W), batch):
+            x = torch.from_numpy(W[i:i + batch])
+            inp = x[:, :-1]
+            B, S = inp.shape
+            pos = torch.arange(S, dtype=torch.long)[None]
+            h = lm.model.embed_tokens(inp)
+            cos, sin = lm.model.rotary_emb(h, position_ids=pos)
+            for layer in lm.model.layers:
+                h = _fast_layer(layer, h, cos, sin, None)
+            hn = lm.model.norm(h)
+            lg = lm.lm_head(hn)
+            e = head.enorm(lm.model.embed_tokens(inp[:, 1:]))
+            hx = head.eh_proj(torch.cat([e, head.hnorm(hn[:, :-1])], dim=-1))
+            o = _fast_layer(head.layer, hx, cos[:, :S - 1], sin[:, :S - 1], None)
+            ml = lm.lm_head(head.shared_head_norm(o))
+            V = lg.shape[-1]
+            ce_m.append(F.cross_entropy(lg.reshape(-1, V), x[:, 1:].reshape(-1), reduction="none").numpy())
+            ce_t.append(F.cross_entropy(ml.reshape(-1, V), x[:, 2:].reshape(-1), reduction="none").numpy())
+            am_m.append(lg.argmax(-1).reshape(-1).numpy())
+            am_t.append(ml.argmax(-1).reshape(-1).numpy())
+    return [np.concatenate(a) for a in (ce_m, ce_t, am_m, am_t)]
+
+
+def eval_quant(args, res):
+    """Held-out loss and top-1 agreement with f32 of int8 and int4 containers (torch, dequantized)."""
+    torch = _torch()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    _, held = load_corpus()
+    tok = load_tokenizer(args.src)
+    W = windows(token_stream(tok, held), TRAIN["seq_len"], args.windows)
+    lm, head = load_checkpoint(args.src)
+    d = check_fast_path(lm, head, torch.from_numpy(W[:2]))
+    base = _detail(lm, head, W)
+    out = {"windows": int(len(W)), "positions_main": int(base[0].size), "fast_path_check": d,
+           "f32": {"loss": float(base[0].mean()), "mtp_loss": float(base[1].mean()),
+                   "bytes": os.path.getsize(os.path.join(args.src, "model.safetensors"))}}
+    log(f"f32: held-out loss {out['f32']['loss']:.4f}, MTP {out['f32']['mtp_loss']:.4f}")
+    for name, bits in (("int8", 8), ("int4", 4)):
+        dst = f"/tmp/colibri_tiny_q{bits}"
+        size = convert_container(args.src, dst, bits)
+        lm_q, head_q = models_from_state(args.src, dequantized_state(dst, args.src))
+        q = _detail(lm_q, head_q, W)
+        out[name] = {"container": dst, "bytes": size, "loss": float(q[0].mean()), "mtp_loss": float(q[1].mean()),
+                     "top1_agree_f32": float((q[2] == base[2]).mean()),
+                     "mtp_top1_agree_f32": float((q[3] == base[3]).mean())}
+        log(f"{name}: {size / 1e6:.2f} MB, held-out loss {out[name]['loss']:.4f}, MTP {out[name]['mtp_loss']:.4f}, "
+            f"top-1 agreement with f32 {100 * out[name]['top1_agree_f32']:.2f}% (MTP "
+            f"{100 * out[name]['mtp_top1_agree_f32']:.2f}%)")
+    res["quant"] = out
+
+
+def eval_engine_loss(args, res):
+    """The shipped container run by the engine: held-out loss on the first windows (a subset)."""
+    import colibri
+    _, held = load_corpus()
+    tok = load_tokenizer(args.model)
+    W = windows(token_stream(tok, held), TRAIN["seq_len"], args.engine_windows)
+    m = colibri.model_init(args.model)
+    tot, n, t0 = 0.0, 0, time.time()
+    for w in W:
+        _, lg = m.forward_all(w[:-1].tolist())
+        lg = lg.astype(np.float64)
+        mx = lg.max(-1, keepdims=True)
+        lse = (mx[:, 0] + np.log(np.exp(lg - mx).sum(-1)))
+        tot += float((lse - lg[np.arange(len(w) - 1), w[1:]]).sum())
+        n += len(w) - 1
+    res["engine_loss"] = {"model": args.model, "windows": int(len(W)), "loss": tot / n,
+                          "seconds": round(time.time() - t0, 1)}
+    log(f"engine, {args.model}: held-out loss {tot / n:.4f} on the first {len(W)} windows "
+        f"({n / (time.time() - t0):.0f} tok/s prefill)")
+
+
+def run_stats(model, prompt, draft, n=64, temperature=0, seed=None, threads=0):
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    a = ["run", prompt, "--model", model, "--max-tokens", n, "--temperature", temperature, "--draft", draft,
+         "--stats-json", path, "--quiet"]
+    if seed is not None:
+        a += ["--seed", seed]
+    if threads:
+        a += ["--threads", threads]
+    p = colibri_cli(*a)
+    with open(path) as f:
+        st = json.load(f)
+    os.remove(path)
+    st["text"] = p.stdout[:-1] if p.stdout.endswith("\n") else p.stdout
+    return st
+
+
+def eval_mtp(args, res):
+    """Acceptance and tokens per forward for --draft 1..4, greedy, on held-out prompts, with the
+    shipped int8 head and an int4 head (same container otherwise, converted into /tmp)."""
+    man = json.load(open(os.path.join(args.model, "colibri_convert.json")))
+    b = man["bits"]["expert"]
+    mtp4 = "/tmp/colibri_tiny_mtp4"
+    convert_container(args.src, mtp4, b, mtp_bits=4)
+    prompts = heldout_prompts(args.prompts)
+    out = {"prompts": [p for _, p in prompts], "n": args.tokens, "heads": {}}
+    for name, model in (("int8", args.model), ("int4", mtp4)):
+        base = [run_stats(model, p, 0, args.tokens) for _, p in prompts]
+        rows = {}
+        for depth in (1, 2, 3, 4):
+            st = [run_stats(model, p, depth, args.tokens) for _, p in prompts]
+            prop = sum(s["drafts_proposed"] for s in st)
+            acc = sum(s["drafts_accepted"] for s in st)
+            toks = sum(s["decode_tokens"] for s in st)
+            fwd = sum(s["decode_forwards"] for s in st)
+            same = all(s["tokens"] == b0["tokens"] for s, b0 in zip(st, base))
+            rows[depth] = {"proposed": prop, "accepted": acc, "acceptance": acc / max(prop, 1),
+                           "tokens_per_forward": toks / max(fwd, 1), "lossless": same,
+                           "per_prompt_acceptance": [round(s["drafts_accepted"] / max(s["drafts_proposed"], 1), 3)
+                                                     for s in st]}
+            log(f"MTP head {name}, --draft {depth}: acceptance {100 * rows[depth]['acceptance']:.1f}% "
+                f"({acc}/{prop}), {rows[depth]['tokens_per_forward']:.2f} tokens/forward, same output as "
+                f"--draft 0: {same}")
+        out["heads"][name] = rows
+    res["mtp"] = out
+
+
+def eval_speed(args, res):
+    """Decode tok/s, --draft auto vs --draft 0, interleaved per prompt (one run, same conditions)."""
+    prompts = heldout_prompts(args.prompts)
+    rows = []
+    for rep in range(args.repeats):
+        for _, p in prompts:
+            s0 = run_stats(args.model, p, 0, args.tokens)
+            sa = run_stats(args.model, p, "auto", args.tokens)
+            rows.append({"prompt": p, "tok_s_draft0": s0["decode_tok_s"], "tok_s_auto": sa["decode_tok_s"],
+                         "auto_tokens_per_forward": sa["tokens_per_forward"],
+                         "auto_acceptance": sa["acceptance"], "same_output": s0["tokens"] == sa["tokens"],
+                         "t0": (s0["decode_tokens"], s0["decode_s"]), "ta": (sa["decode_tokens"], sa["decode_s"])})
+    agg0 = sum(r["t0"][0] for r in rows) / sum(r["t0"][1] for r in rows)
+    agga = sum(r["ta"][0] for r in rows) / sum(r["ta"][1] for r in rows)
+    res["speed"] = {"runs": rows, "decode_tok_s_draft0": agg0, "decode_tok_s_auto": agga,
+                    "median_ratio": float(np.median([r["tok_s_auto"] / r["tok_s_draft0"] for r in rows])),
+                    "all_same_output": all(r["same_output"] for r in rows), "nproc": os.cpu_count()}
+    log(f"decode: --draft 0 {agg0:.1f} tok/s, --draft auto {agga:.1f} tok/s "
+        f"(median per-prompt ratio {res['speed']['median_ratio']:.2f}); outputs identical: "
+        f"{res['speed']['all_same_output']}")
+
+
+SAMPLE_PROMPTS = ["def fibonacci(n):", "class Stack:", "def read_config(path):", "import os\nimport sys\n\n\ndef main("]
+
+
+def eval_samples(args, res):
+    out = []
+    for p in SAMPLE_PROMPTS:
+        g = run_stats(args.model, p, 0, args.tokens)["text"]
+        t = run_stats(args.model, p, 0, args.tokens, temperature=0.7, seed=1)["text"]
+        out.append({"prompt": p, "greedy": g, "t0.7_seed1": t})
+        log(f"--- {p!r}\n[greedy]\n{p}{g}\n[temperature 0.7, seed 1]\n{p}{t}")
+    res["samples"] = out
+
+
+def cmd_eval(args):
+    res = {}
+    if os.path.exists(args.results):
+        with open(args.results) as f:
+            res = json.load(f)
+    parts = args.parts.split(",")
+    for name, fn in (("quant", eval_quant), ("engine", eval_engine_loss), ("mtp", eval_mtp),
+                     ("speed", eval_speed), ("samples", eval_samples)):
+        if name in parts or "all" in parts:
+            t0 = time.time()
+            fn(args, res)
+            log(f"[{name}: {time.time() - t0:.0f}s]")
+            with open(args.results, "w") as f:
+                json.dump(res, f, indent=1)
+    return 0
+
+
+def cmd_convert(args):
+    size = convert_container(args.src, args.dst, args.bits, args.mtp_bits)
+    log(f"{args.dst}: {size / 1e6:.2f} MB of safetensors (experts/dense int{args.bits}, io int8, "
+        f"MTP int{args.mtp_bits})")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="corpus, tokenizer, training, f32 checkpoint")
+    t.add_argument("--out", default=DEFAULT_OUT)
+    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
+    t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
+                   help="bf16 autocast for the training matmuls (weights and optimizer stay f32)")
+    t.add_argument("--bench", type=int, default=None, metavar="STEPS", help="time STEPS steps, save nothing")
+    for k, typ in (("steps", int), ("batch", int), ("seq_len", int), ("lr", float)):
+        t.add_argument("--" + k.replace("_", "-"), dest=k, type=typ, default=None)
+    c = sub.add_parser("convert", help="convert the f32 checkpoint into the package (or --dst)")
+    c.add_argument("--src", default=DEFAULT_OUT)
+    c.add_argument("--dst", default=PKG_MODEL)
+    c.add_argument("--bits", type=int, default=4, choices=(4, 8), help="expert and dense bits")
+    c.add_argument("--mtp-bits", type=int, default=8)
+    r = sub.add_parser("ref", help="tests/data/default_ref.json from the container's dequantized weights")
+    r.add_argument("--src", default=DEFAULT_OUT, help="the f32 checkpoint (tensor shapes)")
+    r.add_argument("--model", default=PKG_MODEL)
+    r.add_argument("--out", default=REF_PATH)
+    r.add_argument("--threads", type=int, default=2)
+    e = sub.add_parser("eval", help="measurements for the model card")
+    e.add_argument("--src", default=DEFAULT_OUT)
+    e.add_argument("--model", default=PKG_MODEL)
+    e.add_argument("--parts", default="all", help="comma list of quant,engine,mtp,speed,samples (or all)")
+    e.add_argument("--results", default="/tmp/colibri_tiny_eval.json")
+    e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--windows", type=int, default=None, help="held-out windows for quant (default all)")
+    e.add_argument("--engine-windows", type=int, default=40)
+    e.add_argument("--prompts", type=int, default=N_PROMPTS)
+    e.add_argument("--tokens", type=int, default=64)
+    e.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args(argv)
+    return {"train": cmd_train, "convert": cmd_convert, "ref": cmd_ref, "eval": cmd_eval}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
