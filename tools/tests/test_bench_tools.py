@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 from colibri.st import SafeTensorsDir  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "tools"
 
 
