@@ -14,3 +14,18 @@ def data_dir():
 
 def oracle_dir(name):
     return DATA / name
+
+
+def decode(m, prompt, n_new, mode, temperature=0.0, seed=None, top_p=1.0):
+    """Prefill prompt, then spec_decode n_new tokens with draft mode `mode` -> (tokens, policy)."""
+    from colibri import _core
+    from colibri.draft import DraftPolicy
+    m.kv_alloc(len(prompt) + n_new + 20)
+    m.reset_stats()
+    pol = DraftPolicy(mode)
+    m.mtp_absorb_prefill = m.has_mtp and pol.max_depth > 0
+    ids = list(prompt)
+    logits = m.step(ids, 0)
+    out, _ = m.spec_decode(ids, len(prompt), n_new, logits,
+                           _core.Sampler(m.cfg.vocab, temperature, top_p, seed), pol)
+    return out, pol

@@ -8,7 +8,7 @@ from colibri import _core, model_init
 from colibri.convert import ConvertOptions, convert
 from colibri.draft import DraftPolicy
 from colibri.parity import check, load_ref
-from conftest import DATA
+from conftest import DATA, decode
 
 MTP = DATA / "tiny_mtp"
 
@@ -66,27 +66,15 @@ def test_int8_head_drafts_like_f32(tmp_path, mref):
     assert m.layers[3].q_a.fmt == "int4"
 
 
-def _decode(m, prompt, n_new, mode, temperature=0.0, seed=None):
-    m.kv_alloc(len(prompt) + n_new + 20)
-    m.reset_stats()
-    pol = DraftPolicy(mode)
-    m.mtp_absorb_prefill = m.has_mtp and pol.max_depth > 0
-    ids = list(prompt)
-    logits = m.step(ids, 0)
-    out, _ = m.spec_decode(ids, len(prompt), n_new, logits,
-                           _core.Sampler(m.cfg.vocab, temperature, 1.0, seed), pol)
-    return out, pol
-
-
 def test_greedy_mtp_drafts_are_lossless():
     m = model_init(MTP)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 256, int(rng.integers(3, 12))).tolist() for _ in range(20)]
     proposed = 0
     for prompt in prompts:
-        plain, _ = _decode(m, prompt, 64, 0)
+        plain, _ = decode(m, prompt, 64, 0)
         for depth in (1, 3):
-            spec, pol = _decode(m, prompt, 64, depth)
+            spec, pol = decode(m, prompt, 64, depth)
             assert spec == plain
             proposed += pol.proposed
     assert proposed > 0
@@ -95,14 +83,14 @@ def test_greedy_mtp_drafts_are_lossless():
 def test_counters_and_guard_with_a_useless_head():
     """A random head is rejected nearly always: the guard turns drafting off after 24 proposals."""
     m = model_init(MTP)
-    out, pol = _decode(m, [3, 14, 159, 26, 53], 60, 3)
+    out, pol = decode(m, [3, 14, 159, 26, 53], 60, 3)
     assert len(out) == 60
     assert pol.proposed >= 24
     assert pol.off
     assert m.decode_forwards + pol.accepted == 59      # every emitted token but the first, once
-    sampled, spol = _decode(m, [3, 14, 159, 26, 53], 40, 2, temperature=0.9, seed=5)
+    sampled, spol = decode(m, [3, 14, 159, 26, 53], 40, 2, temperature=0.9, seed=5)
     assert len(sampled) == 40 and spol.proposed > 0
-    assert _decode(m, [3, 14, 159, 26, 53], 40, 2, temperature=0.9, seed=5)[0] == sampled
+    assert decode(m, [3, 14, 159, 26, 53], 40, 2, temperature=0.9, seed=5)[0] == sampled
 
 
 class _Pattern(DraftPolicy):

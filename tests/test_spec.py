@@ -5,7 +5,7 @@ import pytest
 from colibri import _core, model_init
 from colibri.convert import ConvertOptions, convert
 from colibri.draft import DraftPolicy, parse_draft
-from conftest import DATA
+from conftest import DATA, decode
 
 VOCAB = 256
 
@@ -20,17 +20,6 @@ def _prompts(n, seed=0):
     return out
 
 
-def _decode(m, prompt, n_new, mode, temperature=0.0, seed=None):
-    m.kv_alloc(len(prompt) + n_new + 20)
-    m.reset_stats()
-    pol = DraftPolicy(mode)
-    m.mtp_absorb_prefill = m.has_mtp and pol.max_depth > 0
-    ids = list(prompt)
-    logits = m.step(ids, 0)
-    out, kv = m.spec_decode(ids, len(prompt), n_new, logits, _core.Sampler(VOCAB, temperature, 1.0, seed), pol)
-    return out, pol
-
-
 @pytest.fixture(scope="module")
 def int4_dsa(tmp_path_factory):
     dst = tmp_path_factory.mktemp("dsa_int4")
@@ -43,10 +32,10 @@ def test_greedy_ngram_drafts_are_lossless_f32(name):
     m = model_init(DATA / name)
     proposed = accepted = 0
     for prompt in _prompts(20, seed=1):
-        plain, _ = _decode(m, prompt, 64, 0)
+        plain, _ = decode(m, prompt, 64, 0)
         assert len(plain) == 64
         for depth in (3, "auto"):
-            spec, pol = _decode(m, prompt, 64, depth)
+            spec, pol = decode(m, prompt, 64, depth)
             assert spec == plain
             proposed += pol.proposed
             accepted += pol.accepted
@@ -58,9 +47,9 @@ def test_greedy_drafts_lossless_on_int4_container(int4_dsa):
     ascending id), so verification is bit-exact against plain decoding on quantized weights too."""
     m = model_init(int4_dsa)
     for prompt in _prompts(20, seed=2):
-        plain, _ = _decode(m, prompt, 64, 0)
+        plain, _ = decode(m, prompt, 64, 0)
         for depth in (1, 4, 16):
-            assert _decode(m, prompt, 64, depth)[0] == plain
+            assert decode(m, prompt, 64, depth)[0] == plain
 
 
 @pytest.mark.parametrize("name,bits", [("tiny_dense", 8), ("tiny_mtp", 4)])
@@ -71,14 +60,14 @@ def test_greedy_drafts_lossless_on_containers(tmp_path, name, bits):
     assert m.has_mtp == (name == "tiny_mtp")
     proposed = 0
     for prompt in _prompts(20, seed=4):
-        plain, _ = _decode(m, prompt, 64, 0)
-        spec, pol = _decode(m, prompt, 64, 3)
+        plain, _ = decode(m, prompt, 64, 0)
+        spec, pol = decode(m, prompt, 64, 3)
         assert spec == plain
         proposed += pol.proposed
     assert proposed > 0
 
 
-def test_verify_rows_equal_single_row_decode(int4_dsa):
+def test_verify_rows_equal_single_rowdecode(int4_dsa):
     m = model_init(int4_dsa)
     ids = _prompts(1, seed=3)[0] + [5, 6, 7, 8, 9]
     m.kv_alloc(len(ids))
@@ -210,10 +199,10 @@ def test_broken_acceptance_rule_fails(next_logits):
 def test_sampled_spec_decode_runs_and_counts():
     m = model_init(DATA / "tiny_dense")
     prompt = _prompts(1, seed=5)[0]
-    out, pol = _decode(m, prompt, 40, 3, temperature=0.8, seed=3)
+    out, pol = decode(m, prompt, 40, 3, temperature=0.8, seed=3)
     assert len(out) == 40
     assert m.decode_forwards + pol.accepted == 39
-    again, _ = _decode(m, prompt, 40, 3, temperature=0.8, seed=3)
+    again, _ = decode(m, prompt, 40, 3, temperature=0.8, seed=3)
     assert again == out
 
 
