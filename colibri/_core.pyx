@@ -609,6 +609,7 @@ cdef class Model:
     cdef long long eclock
     # Counters
     cdef public long long expert_hits, expert_misses, bytes_read, forwards, decode_forwards, emitted
+    cdef public object trace                      # None, or a list that collects (forward, layer, rows, experts)
     cdef public double t_disk, t_attn, t_moe
     # Scratch
     cdef Work _ws
@@ -1003,6 +1004,8 @@ cdef class Model:
         if bad >= 0:
             raise EngineError(f"layer {L.index}: NaN in the router scores of row {bad} "
                               "(non-finite activations or weights)")
+        if self.trace is not None:
+            self.trace.append((self.forwards, L.index, S, [uniq[u] for u in range(nu)]))
         # Each unique expert once, in ascending id: gather its rows, FFN, scatter-add.
         t0 = time.perf_counter()
         disk0 = self.t_disk

@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "minimises wall time per token; N forces a depth (0 = off). Drafts come from "
                         "the model's MTP head, else from n-gram prompt lookup")
     r.add_argument("--stats-json", default=None, metavar="FILE", help="write run statistics as JSON")
+    r.add_argument("--trace", default=None, metavar="FILE",
+                   help="record the routing (experts requested per MoE layer call) as JSON Lines, for "
+                        "tools/simulate_cache.py")
     r.add_argument("--quiet", "-q", action="store_true", help="print only the generated text")
     _engine_options(r)
 

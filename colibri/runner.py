@@ -83,6 +83,8 @@ def run(args) -> int:
               f"prompt {len(ids)} tokens", file=sys.stderr)
     model.kv_alloc(need)
     model.reset_stats()
+    if args.trace:
+        model.trace = []
     # The MTP head learns the prompt's (token, hidden) pairs during prefill, as colibrì does, so a
     # draft costs one pass of the head; rows of later draft-free iterations are absorbed lazily.
     model.mtp_absorb_prefill = model.has_mtp and policy.max_depth > 0
@@ -128,7 +130,36 @@ def run(args) -> int:
     if args.stats_json:
         with open(args.stats_json, "w") as f:
             json.dump(stats, f)
+    if args.trace:
+        write_trace(args.trace, model, args.model)
     return 0
+
+
+def expert_disk_bytes(model, layer: int, eid: int = 0) -> int:
+    """Bytes one expert of this layer occupies on disk (payloads and their row scales)."""
+    st, n = model.st, 0
+    for m in ("gate_proj", "up_proj", "down_proj"):
+        name = f"model.layers.{layer}.mlp.experts.{eid}.{m}.weight"
+        n += st.info(name).nbytes
+        if name + ".qs" in st:
+            n += st.info(name + ".qs").nbytes
+    return n
+
+
+def write_trace(path: str, model, model_dir: str) -> None:
+    """The routing of this run as JSON Lines (format in tools/simulate_cache.py): a header, then one
+    object per MoE layer call {f: forward, l: layer, s: rows, e: unique experts ascending}."""
+    cfg = model.cfg
+    moe_layers = [i for i in range(cfg.n_layers) if cfg.sparse[i]] + ([cfg.n_layers] if model.has_mtp else [])
+    header = {"format": "colibri-routing-trace", "version": 1, "model": os.path.abspath(model_dir),
+              "n_layers": cfg.n_layers, "n_experts": cfg.n_experts, "topk": cfg.topk, "moe_layers": moe_layers,
+              "expert_bytes": {str(i): expert_disk_bytes(model, i) for i in moe_layers}}
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(header) + "\n")
+        for fwd, layer, rows, experts in model.trace:
+            f.write(json.dumps({"f": fwd, "l": layer, "s": rows, "e": experts}) + "\n")
+    os.replace(tmp, path)
 
 
 class _Printer:

@@ -123,3 +123,25 @@ def test_run_with_mtp_drafts(tmp_path):
     assert s["tokens"] == ref["full_ids"][len(ref["prompt_ids"]):]
     assert s["drafts_proposed"] > 0
     assert "tokens/forward" in p.stderr and "MTP head" in p.stderr
+
+
+def test_run_records_a_routing_trace(tmp_path):
+    """--trace: one JSON line per MoE layer call, the experts each call requested, consistent with
+    the expert counters (with every expert cached, each distinct (layer, expert) loads once)."""
+    ref = json.loads((DATA / "tiny_dense" / "ref.json").read_text())
+    trace, stats = tmp_path / "t.jsonl", tmp_path / "s.json"
+    colibri("run", "--model", DATA / "tiny_dense", "--prompt-ids", ",".join(map(str, ref["prompt_ids"])),
+            "--max-tokens", 12, "--temperature", 0, "--draft", 0, "--trace", trace, "--stats-json", stats)
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    head, calls = lines[0], lines[1:]
+    cfg = json.loads((DATA / "tiny_dense" / "config.json").read_text())
+    assert head["format"] == "colibri-routing-trace" and head["n_experts"] == cfg["n_routed_experts"]
+    assert all(str(i) in head["expert_bytes"] and head["expert_bytes"][str(i)] > 0 for i in head["moe_layers"])
+    s = json.loads(stats.read_text())
+    assert len(calls) == len(head["moe_layers"]) * s["forwards"]
+    assert calls[0]["s"] == len(ref["prompt_ids"]) and all(c["s"] == 1 for c in calls[len(head["moe_layers"]):])
+    for c in calls:
+        assert c["l"] in head["moe_layers"] and c["e"] == sorted(set(c["e"]))
+        assert 1 <= len(c["e"]) <= min(c["s"] * head["topk"], head["n_experts"])
+    assert sum(len(c["e"]) for c in calls) == s["expert_hits"] + s["expert_misses"]
+    assert len({(c["l"], e) for c in calls for e in c["e"]}) == s["expert_misses"]

@@ -155,7 +155,7 @@ def test_total_size_reasonable():
     total = 0
     for root, _, files in os.walk(DATA):
         total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-    assert total < 12 * 1024 * 1024, total
+    assert total < 16 * 1024 * 1024, total          # the four oracles + the default model's reference
 
 
 @pytest.mark.parametrize("model", ALL_MODELS)

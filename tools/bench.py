@@ -571,6 +571,24 @@ def render_report(res: dict) -> str:
             lines.append("")
             lines.append(f"numpy copy: {bw['gbs_1thread']:.2f} GB/s with 1 thread, "
                          f"{bw['gbs_2threads']:.2f} GB/s with 2 threads.")
+    dr = res.get("draft")
+    if dr:
+        lines.append("")
+        lines.append("Speculation on a useless drafter (the fixture plus a random MTP head, int8; colibri int4, "
+                     "all experts cached): `--draft auto` against `--draft 0`, alternating fresh processes, "
+                     f"median of {dr.get('runs')} each:")
+        lines.append("")
+        if dr.get("error"):
+            lines.append("FAILED: " + _short(dr["error"]))
+        else:
+            prop = sum(d["drafts_proposed"] for d in dr["detail"])
+            acc = sum(d["drafts_accepted"] for d in dr["detail"])
+            lines.append(markdown_table(
+                ["setting", "decode tok/s", "prefill + decode wall s", "drafts proposed / accepted (all runs)"],
+                [["--draft 0", fmt_num(dr["draft0_tok_s"]), f"{dr['draft0_total_s']:.3f}", "–"],
+                 ["--draft auto", fmt_num(dr["auto_tok_s"]), f"{dr['auto_total_s']:.3f}", f"{prop} / {acc}"],
+                 ["auto ÷ 0", f"{dr['auto_over_draft0']:.3f}", f"{dr['auto_time_over_draft0']:.3f}",
+                  "within 5%: " + ("yes" if dr["within_5_percent"] else "**NO**")]]))
     notes = res.get("notes") or []
     if notes:
         lines.append("")
@@ -656,6 +674,24 @@ def run_colibri(container: str, prompt: List[int], n_tokens: int, cache: int, th
     out["expert_hit_rate"] = samples[-1]["expert_hits"] / looks if looks else None
     out["expert_load_bytes_per_token"] = median(
         [s["bytes_read"] / max(s["forwards"], 1) for s in samples])
+    return out
+
+
+def run_draft_check(model_dir: str, work: str, prompt: List[int], args) -> dict:
+    """Speculation must earn its keep: the fixture with a random MTP head (every draft useless),
+    --draft auto against --draft 0, alternating fresh processes; auto must stay within 5%."""
+    sys.path.insert(0, HERE)
+    import bench_draft
+    try:
+        container = bench_draft.ensure_mtp_fixture(model_dir, os.path.join(work, "draft"))
+        if args.quiet_wait > 0:
+            wait_quiet(args.quiet_wait)
+        out = bench_draft.compare(container, max(args.runs, 5), args.tokens, threads=args.threads,
+                                  log=log, prompt=prompt)
+    except (subprocess.CalledProcessError, SystemExit) as e:
+        return {"error": f"draft check: {e}"}
+    out["within_5_percent"] = out["auto_over_draft0"] >= 0.95
+    log(f"--draft auto / --draft 0 decode: {out['auto_over_draft0']:.3f}")
     return out
 
 
@@ -1089,6 +1125,9 @@ def run_bench(args) -> dict:
         except Exception as e:  # pragma: no cover - reported, not fatal
             res["notes"].append(f"bytes/token: {e}")
 
+    if not args.skip_draft and not err:
+        res["draft"] = run_draft_check(model_dir, work, prompt, args)
+
     if not args.skip_hf:
         for dtype in ("bf16", "f32"):
             row = {"engine": "HF transformers", "weights": dtype, "cached": "all"}
@@ -1149,6 +1188,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=2, help="threads for every engine (default 2)")
     ap.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
     ap.add_argument("--skip-llama", action="store_true", help="leave out llama.cpp")
+    ap.add_argument("--skip-draft", action="store_true",
+                    help="leave out the --draft auto vs --draft 0 check (fixture with a random MTP head)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds allowed for each peer subprocess")
     ap.add_argument("--quiet-wait", type=float, default=60.0, metavar="S",

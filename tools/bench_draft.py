@@ -79,9 +79,24 @@ def run_once(model: str, prompt_ids, tokens: int, draft: str, threads: int) -> d
     return stats
 
 
+def ensure_mtp_fixture(model: str, work: str) -> str:
+    """The int4 container (MTP head int8) of the fixture with a random MTP head, built in WORK
+    when missing; returns its folder."""
+    f32 = os.path.join(work, "f32_mtp")
+    int4 = os.path.join(work, "int4_mtp")
+    if not os.path.exists(os.path.join(int4, "config.json")):
+        add_random_mtp_head(model, f32)
+        subprocess.run([sys.executable, "-m", "colibri", "convert", f32, int4, "--expert-bits", "4",
+                        "--dense-bits", "4", "--io-bits", "8", "--mtp-bits", "8"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return int4
+
+
 def compare(model: str, runs: int = 5, tokens: int = 64, prompt_len: int = 32, threads: int = 2,
-            log=print) -> dict:
-    prompt = [(i * 37 + 11) % 8192 for i in range(prompt_len)]
+            log=print, prompt=None) -> dict:
+    """--draft 0 and --draft auto in alternating fresh processes; medians, ratios and samples."""
+    if prompt is None:
+        prompt = [(i * 37 + 11) % 8192 for i in range(prompt_len)]
     samples = {"0": [], "auto": []}
     e2e = {"0": [], "auto": []}
     detail = {"0": [], "auto": []}
@@ -114,12 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    f32 = os.path.join(args.work, "f32_mtp")
-    int4 = os.path.join(args.work, "int4_mtp")
-    if not os.path.exists(os.path.join(int4, "config.json")):
-        add_random_mtp_head(args.model, f32)
-        subprocess.run([sys.executable, "-m", "colibri", "convert", f32, int4, "--expert-bits", "4",
-                        "--dense-bits", "4", "--io-bits", "8", "--mtp-bits", "8"], check=True)
+    int4 = ensure_mtp_fixture(args.model, args.work)
     res = compare(int4, args.runs, args.tokens, threads=args.threads)
     print(f"\n| setting | decode tok/s (median of {args.runs}) |\n|---|---|\n"
           f"| --draft 0 | {res['draft0_tok_s']:.1f} |\n| --draft auto (random MTP head) | {res['auto_tok_s']:.1f} |\n"
