@@ -866,12 +866,12 @@ cdef class Model:
         cdef int Lq = c.q_lora, Lkv = c.kv_lora, T = pos_base + S
         cdef int s, h, pos
         cdef float eps = LORA_NORM_EPS
-        cdef float[:, ::1] qr = ws.qr, q = ws.q, ckv = ws.ckv, ctx = ws.ctx
+        cdef float[:, ::1] qr = ws.qr, q = ws.q, ctx = ws.ctx
         cdef float[:, ::1] Lc = self.Lc[L.index], Rc = self.Rc[L.index]
-        cdef float[::1] qa_ln = L.q_a_ln, kv_ln = L.kv_a_ln, inv = self.inv_freq
+        cdef float[::1] qa_ln = L.q_a_ln, inv = self.inv_freq
         # Step 1: projections of the new rows; write their latent + rotated key into the cache.
         self._mm(L.q_a, &n[0, 0], S, &qr[0, 0], ws)
-        self._mm(L.kv_a, &n[0, 0], S, &ckv[0, 0], ws)
+        self.kv_write(L, n, S, pos_base, ws)
         with nogil:
             for s in range(S):
                 rmsnorm_row(&qr[s, 0], &qr[s, 0], &qa_ln[0], Lq, eps)
@@ -881,9 +881,6 @@ cdef class Model:
                 pos = pos_base + s
                 for h in range(H):
                     rope_interleave(&q[s, h * dq + dn], dr, pos, &inv[0])
-                rmsnorm_row(&Lc[pos, 0], &ckv[s, 0], &kv_ln[0], Lkv, eps)
-                memcpy(&Rc[pos, 0], &ckv[s, Lkv], dr * sizeof(float))
-                rope_interleave(&Rc[pos, 0], dr, pos, &inv[0])
         # Step 2: DSA lightning indexer (full layers select, shared layers reuse the last selection).
         # The MTP layer (index n_layers) has no indexer: it attends densely over its window k0..pos.
         cdef int k0 = self.kv_start[L.index]
@@ -922,6 +919,23 @@ cdef class Model:
                                     pos_base + s // H, s % H, H, dn, dr, dv, scale,
                                     &tbuf[threadid(), 0], &ctx[s // H, 0])
         self._mm(L.o_proj, &ctx[0, 0], S, &out[0, 0], ws)
+
+    def kv_write(self, Layer L, float[:, ::1] n, int S, int pos_base, Work ws):
+        """The compressed KV rows of positions pos_base..pos_base+S-1 from the normalized layer
+        input n [S, D]: Lc[pos] = kv_a_layernorm(latent), Rc[pos] = rope(shared key)."""
+        c = self.cfg
+        cdef int Lkv = c.kv_lora, dr = c.qk_rope, s, pos
+        cdef float eps = LORA_NORM_EPS
+        cdef float[:, ::1] ckv = ws.ckv
+        cdef float[:, ::1] Lc = self.Lc[L.index], Rc = self.Rc[L.index]
+        cdef float[::1] kv_ln = L.kv_a_ln, inv = self.inv_freq
+        self._mm(L.kv_a, &n[0, 0], S, &ckv[0, 0], ws)
+        with nogil:
+            for s in range(S):
+                pos = pos_base + s
+                rmsnorm_row(&Lc[pos, 0], &ckv[s, 0], &kv_ln[0], Lkv, eps)
+                memcpy(&Rc[pos, 0], &ckv[s, Lkv], dr * sizeof(float))
+                rope_interleave(&Rc[pos, 0], dr, pos, &inv[0])
 
     def _dsa_select(self, Layer L, float[:, ::1] n, int S, int pos_base, Work ws):
         """Lightning indexer of a full layer: write this batch's indexer keys, then per query keep
@@ -1204,10 +1218,17 @@ cdef class Model:
             return
         if self.kv_start[NL] < 0 or self.kv_start[NL] > pos_base:
             self.kv_start[NL] = pos_base
+        if pos_base < 0 or pos_base + S > self.max_t:
+            raise ValueError(f"MTP rows {pos_base}..{pos_base + S - 1} do not fit the KV cache of {self.max_t}")
         hx = np.empty((S, c.hidden), np.float32)
         for i in range(S):
             hx[i] = self._mtp_input(int(next_ids[i]), x[i], True)[0]
-        self.layer_forward(self.mtp, hx, S, pos_base)
+        # Only the KV rows of these positions outlive this pass (the layer's outputs for them are
+        # never used), and a KV row depends on its own input row alone: write them directly, skipping
+        # the attention core, o_proj and the MoE (glm.c runs the whole layer; the KV is identical).
+        cdef Work ws = self._work(S, pos_base + S)
+        n = rmsnorm(hx, self.mtp.in_ln, c.eps)
+        self.kv_write(self.mtp, n, S, pos_base, ws)
         self.mtp_next = pos_base + S
 
     def spec_decode(self, ids, int kv, int n_new, logits, Sampler sampler, policy=None, stops=(), emit=None,
@@ -1255,12 +1276,17 @@ cdef class Model:
             if len(out) >= n_new:
                 break                     # the last token is not forwarded (spec §11.20)
             t0 = time.perf_counter()
+            t_catch = 0.0
             d = policy.depth()
             drafts = []
             if d > 0 and self.has_mtp:
                 if self.mtp_next < kv - 1:
+                    # catch-up after draft-free iterations (or the prompt): a one-off cost, kept out
+                    # of the per-iteration cost the policy compares depths with
+                    t_catch = time.perf_counter()
                     rows = range(self.mtp_next, kv - 1)
                     self.mtp_absorb(ids[self.mtp_next + 1:kv], np.stack([pending[p] for p in rows]), self.mtp_next)
+                    t_catch = time.perf_counter() - t_catch
                 for p in [p for p in pending if p < kv]:
                     del pending[p]
                 drafts = self.mtp_draft(nxt, kv, d)
@@ -1304,7 +1330,7 @@ cdef class Model:
             self.hlast = np.array(h_all[k], copy=True)
             kv += 1 + k
             logits = lo[k]
-            policy.record(d, proposed, k, time.perf_counter() - t0)
+            policy.record(d, proposed, k, time.perf_counter() - t0 - t_catch)
             self.decode_forwards += 1
             if done:
                 break

@@ -85,9 +85,10 @@ def run(args) -> int:
     model.reset_stats()
     if args.trace:
         model.trace = []
-    # The MTP head learns the prompt's (token, hidden) pairs during prefill, as colibrì does, so a
-    # draft costs one pass of the head; rows of later draft-free iterations are absorbed lazily.
-    model.mtp_absorb_prefill = model.has_mtp and policy.max_depth > 0
+    # With a forced depth the MTP head learns the prompt's (token, hidden) pairs during prefill, as
+    # colibrì does. Under --draft auto they are absorbed lazily, in one batch before the first draft,
+    # so a head the policy finds useless costs the prefill nothing.
+    model.mtp_absorb_prefill = model.has_mtp and isinstance(draft_mode, int) and draft_mode > 0
     t0 = time.perf_counter()
     history = list(ids)
     logits = model.step(history, 0)

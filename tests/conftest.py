@@ -23,7 +23,7 @@ def decode(m, prompt, n_new, mode, temperature=0.0, seed=None, top_p=1.0):
     m.kv_alloc(len(prompt) + n_new + 20)
     m.reset_stats()
     pol = DraftPolicy(mode)
-    m.mtp_absorb_prefill = m.has_mtp and pol.max_depth > 0
+    m.mtp_absorb_prefill = m.has_mtp and isinstance(pol.mode, int) and pol.mode > 0     # as the CLI
     ids = list(prompt)
     logits = m.step(ids, 0)
     out, _ = m.spec_decode(ids, len(prompt), n_new, logits,

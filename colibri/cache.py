@@ -1,0 +1,637 @@
+"""The routed-expert store: pinned hot-store, per-layer LRU, parallel loads and background prefetch.
+
+Spec §7.1 describes the storage hierarchy of the reference engine. This module is the part of it
+that lives in memory:
+
+1. the **pinned hot-store** (``pin``): experts loaded once (startup pins, spec §7.2/§7.3) and never
+   evicted;
+2. the **per-layer LRU** of ``capacity`` experts (the same capacity for every row);
+3. the **call working set**: while one ``get()`` call is in progress its experts are protected,
+   and the LRU may hold up to ``capacity`` + (experts of the call) entries; it is trimmed back when
+   the call returns;
+4. below it, implicitly, the OS page cache under the loader, and the disk.
+
+Only the standard library and numpy are used; the engine (``colibri._core``) supplies the loader.
+
+Loader contract
+---------------
+``loader(layer, eid)`` returns an object with an integer attribute ``nbytes`` (the bytes it read
+from disk). It is called from several threads at once (``io_threads`` pool workers for ``get()``
+and ``pin()``, plus one prefetch thread), never twice concurrently for the same ``(layer, eid)``,
+and it should release the GIL while it reads (``os.preadv`` does). The cache never touches the
+objects it is given: ``get()`` returns exactly the objects the loader made. An exception raised by
+the loader reaches the caller of ``get()``/``pin()`` re-raised with the layer and expert in front of
+its message (same exception type when that type can be built from one message string, else
+``RuntimeError``; the original is chained as ``__cause__``).
+
+Determinism
+-----------
+Which experts ``get()`` loads and which it evicts depends only on the sequence of calls (and of
+``prefetch()`` results), never on the order in which parallel loads complete: each call classifies
+its experts up front, and inserts/evicts only once all of its loads are done, in ascending expert
+order.
+
+Prefetch accounting
+-------------------
+Every successful prefetch load (``prefetch_loaded``) ends in exactly one of these counters:
+
+- ``prefetch_used``: a ``get()`` used it, either by waiting for the in-flight load
+  (``prefetch_waits`` counts those) or by its first hit in the LRU (later hits do not count again).
+  An unused prefetched expert adopted by ``pin()`` also counts as used (its read was not wasted);
+- ``prefetch_dropped``: it could not be inserted (every LRU entry was protected or in use, or it was
+  pinned meanwhile) and was discarded;
+- ``prefetch_wasted``: it was evicted from the LRU before any ``get()`` used it; ``close()`` adds
+  the prefetched experts still unused at that moment;
+- ``prefetch_unused``: it sits in the LRU, not used yet (a snapshot; 0 after ``close()``).
+
+So ``prefetch_loaded == prefetch_used + prefetch_dropped + prefetch_wasted + prefetch_unused``.
+``prefetch_issued`` counts experts queued by ``prefetch()``; a queued expert that another path has
+loaded by the time the worker reaches it is skipped (``prefetch_skipped``), one that the bounded
+queue pushed out is counted in ``prefetch_overflow``, one whose load raised in ``prefetch_errors``.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import operator
+import threading
+import time
+
+import numpy as np
+
+__all__ = ["ExpertCache", "PREFETCH_QUEUE_MAX"]
+
+PREFETCH_QUEUE_MAX = 4096           # pending prefetch entries; the oldest are dropped beyond this
+
+_COUNTERS = ("requests", "hits_pin", "hits_lru", "prefetch_waits", "inflight_waits", "misses",
+             "loads", "load_errors", "bytes_read", "load_s", "wait_s", "evictions",
+             "prefetch_issued", "prefetch_loaded", "prefetch_used", "prefetch_wasted",
+             "prefetch_dropped", "prefetch_errors", "prefetch_skipped", "prefetch_overflow",
+             "lookahead_true", "lookahead_hit")
+_FLOAT_COUNTERS = ("load_s", "wait_s")
+
+
+class _Pending:
+    """One load in progress: who started it, and its outcome once ``event`` is set."""
+    __slots__ = ("layer", "eid", "kind", "protect", "event", "obj", "error", "waiters")
+
+    def __init__(self, layer, eid, kind, protect=frozenset()):
+        self.layer = layer
+        self.eid = eid
+        self.kind = kind                # "get", "pin" or "prefetch"
+        self.protect = protect          # prefetch only: experts its insertion must not evict
+        self.event = threading.Event()
+        self.obj = None
+        self.error = None
+        self.waiters = 0                # get() calls waiting for this load
+
+
+class _Entry:
+    """An LRU entry: the expert, and whether it arrived by prefetch and has not been used yet."""
+    __slots__ = ("obj", "prefetched")
+
+    def __init__(self, obj, prefetched=False):
+        self.obj = obj
+        self.prefetched = prefetched
+
+
+def _with_context(exc, layer, eid):
+    """exc re-made with the layer and expert in front of its message (same type when possible)."""
+    msg = f"expert {eid} of layer {layer}: {exc}"
+    try:
+        new = type(exc)(msg)
+        if str(new) != msg:
+            raise TypeError
+    except Exception:
+        new = RuntimeError(msg)
+    new.__cause__ = exc
+    return new
+
+
+class ExpertCache:
+    """Per-layer expert cache with three tiers: a pinned hot-store (never evicted), a per-layer LRU
+    of ``capacity`` experts, and (implicitly) the OS page cache under the loader.
+
+    loader: ``loader(layer, eid) -> expert`` with an integer ``nbytes`` attribute; thread-safe (see
+        the module docstring).
+    n_rows: layer rows (main layers + the MTP row); ``layer`` arguments are row indices.
+    capacity: experts kept per row in the LRU, >= 1 (>= n_experts keeps every expert).
+    io_threads: workers that read the misses of one ``get()`` call (and ``pin()`` loads) in parallel.
+    prefetch: False turns ``prefetch()`` into a no-op (no background thread is ever started).
+    n_experts: routed experts per row (bounds the expert ids and sizes ``usage``).
+
+    ``usage`` (numpy int64 [n_rows, n_experts]) counts every requested expert: each element of the
+    ``eids`` list of every ``get()`` call, duplicates included (pass every row's selection to count
+    routed selections, or the batch union to count loads). It is not cleared by ``reset_stats()``
+    (usage learning accumulates it), only by ``reset_usage()``.
+    """
+
+    def __init__(self, loader, n_rows: int, capacity: int, io_threads: int = 4, prefetch: bool = True,
+                 *, n_experts: int):
+        n_rows = operator.index(n_rows)
+        n_experts = operator.index(n_experts)
+        capacity = operator.index(capacity)
+        io_threads = operator.index(io_threads)
+        if n_rows < 1 or n_experts < 1:
+            raise ValueError(f"ExpertCache needs n_rows >= 1 and n_experts >= 1, got {n_rows}, {n_experts}")
+        if capacity < 1:
+            raise ValueError(f"ExpertCache capacity must be >= 1, got {capacity}")
+        if io_threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+        self.loader = loader
+        self.n_rows = n_rows
+        self.n_experts = n_experts
+        self.capacity = capacity
+        self.io_threads = io_threads
+        self.prefetch_enabled = bool(prefetch)
+        self.usage = np.zeros((n_rows, n_experts), np.int64)
+
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)     # prefetch queue / worker state
+        self._pins = [dict() for _ in range(n_rows)]     # eid -> expert
+        self._lru = [collections.OrderedDict() for _ in range(n_rows)]   # eid -> _Entry, LRU first
+        self._busy = [dict() for _ in range(n_rows)]     # eid -> number of get() calls using it
+        self._inflight = {}                              # (layer, eid) -> _Pending
+        self._pred = {}                                  # layer -> frozenset of predicted eids
+        self._queue = collections.deque()                # (layer, eid, protect)
+        self._queued = set()                             # (layer, eid) in _queue
+        self._pf_active = False                          # the worker is handling an entry
+        self._worker = None
+        self._closed = False
+        self._pinned_bytes = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=io_threads,
+                                                           thread_name_prefix="colibri-io")
+        self._st = {}
+        self.reset_stats()
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _check(self, layer, eid):
+        layer = operator.index(layer)
+        eid = operator.index(eid)
+        if not 0 <= layer < self.n_rows:
+            raise IndexError(f"layer row {layer} is outside [0, {self.n_rows})")
+        if not 0 <= eid < self.n_experts:
+            raise IndexError(f"expert {eid} is outside [0, {self.n_experts}) (layer {layer})")
+        return layer, eid
+
+    def _check_layer(self, layer):
+        layer = operator.index(layer)
+        if not 0 <= layer < self.n_rows:
+            raise IndexError(f"layer row {layer} is outside [0, {self.n_rows})")
+        return layer
+
+    def _check_eids(self, layer, eids):
+        out = []
+        for e in eids:
+            e = operator.index(e)
+            if not 0 <= e < self.n_experts:
+                raise IndexError(f"expert {e} is outside [0, {self.n_experts}) (layer {layer})")
+            out.append(e)
+        return out
+
+    def _run_load(self, p):
+        """Run the loader for pending load p and publish the outcome; never raises an Exception."""
+        t0 = time.perf_counter()
+        obj = err = None
+        try:
+            obj = self.loader(p.layer, p.eid)
+            nbytes = int(obj.nbytes)
+        except BaseException as e:          # published to the waiters; re-raised below if fatal
+            err = e
+            nbytes = 0
+        dt = time.perf_counter() - t0
+        with self._lock:
+            st = self._st
+            st["load_s"] += dt
+            if self._inflight.get((p.layer, p.eid)) is p:     # pin() loads are not registered
+                del self._inflight[(p.layer, p.eid)]
+            if err is not None:
+                st["load_errors"] += 1
+                if p.kind == "prefetch":
+                    st["prefetch_errors"] += 1
+            else:
+                st["loads"] += 1
+                st["bytes_read"] += nbytes
+                if p.kind == "prefetch":
+                    st["prefetch_loaded"] += 1
+                    if p.waiters:
+                        st["prefetch_used"] += 1      # handed straight to the waiting get()
+                    else:
+                        self._place_prefetched(p.layer, p.eid, obj, p.protect)
+            p.obj = obj
+            p.error = err
+            p.event.set()
+        if err is not None and not isinstance(err, Exception):
+            raise err
+
+    def _victims(self, layer, n, protect):
+        """The n least recently used entries of layer that are neither protected nor in use, or
+        None if there are fewer than n."""
+        busy = self._busy[layer]
+        out = []
+        if n <= 0:
+            return out
+        for e in self._lru[layer]:
+            if e in protect or busy.get(e):
+                continue
+            out.append(e)
+            if len(out) == n:
+                return out
+        return None
+
+    def _evict(self, layer, e):
+        ent = self._lru[layer].pop(e)
+        self._st["evictions"] += 1
+        if ent.prefetched:
+            self._st["prefetch_wasted"] += 1
+
+    def _place_prefetched(self, layer, eid, obj, protect):
+        """Insert a prefetched expert as the most recent entry of layer's LRU (lock held)."""
+        lru = self._lru[layer]
+        if eid in self._pins[layer] or eid in lru:
+            self._st["prefetch_dropped"] += 1
+            return
+        victims = self._victims(layer, len(lru) - self.capacity + 1, protect)
+        if victims is None:
+            self._st["prefetch_dropped"] += 1
+            return
+        for v in victims:
+            self._evict(layer, v)
+        lru[eid] = _Entry(obj, prefetched=True)
+
+    def _trim(self, layer):
+        """Evict least recently used entries not in use until the row fits its capacity."""
+        lru = self._lru[layer]
+        extra = len(lru) - self.capacity
+        if extra > 0:
+            busy = self._busy[layer]
+            victims = [e for e in lru if not busy.get(e)][:extra]
+            for v in victims:
+                self._evict(layer, v)
+
+    # -- the three tiers ----------------------------------------------------------------------------
+
+    def pin(self, items, progress=None) -> int:
+        """Load (layer, eid) pairs into the pinned hot-store, in parallel on the I/O pool.
+
+        Pairs already pinned are skipped; one found in the LRU moves to the hot-store without a new
+        read. progress(done, total) is called in the calling thread after each pair. Returns the
+        bytes newly pinned (sum of the experts' ``nbytes``). If loads fail, the others are still
+        pinned and the first failure (in the order of items) is raised.
+        """
+        self._open()
+        pairs = list(dict.fromkeys(self._check(layer, eid) for layer, eid in items))
+        added = 0
+        todo = []
+        with self._lock:
+            for layer, eid in pairs:
+                if eid in self._pins[layer]:
+                    continue
+                ent = self._lru[layer].pop(eid, None)
+                if ent is not None:
+                    if ent.prefetched:
+                        self._st["prefetch_used"] += 1
+                    self._pins[layer][eid] = ent.obj
+                    nb = int(ent.obj.nbytes)
+                    self._pinned_bytes += nb
+                    added += nb
+                    continue
+                todo.append(_Pending(layer, eid, "pin"))
+        total = len(todo)
+        if progress is not None and total == 0:
+            progress(0, 0)
+        futures = {self._pool.submit(self._run_load, p): p for p in todo}
+        done = 0
+        for f in concurrent.futures.as_completed(futures):
+            f.result()
+            done += 1
+            if progress is not None:
+                progress(done, total)
+        first_err = None
+        with self._lock:
+            for p in todo:
+                if p.error is not None:
+                    if first_err is None:
+                        first_err = p
+                    continue
+                if p.eid in self._pins[p.layer]:
+                    continue
+                ent = self._lru[p.layer].pop(p.eid, None)
+                if ent is not None and ent.prefetched:
+                    self._st["prefetch_used"] += 1
+                self._pins[p.layer][p.eid] = p.obj
+                nb = int(p.obj.nbytes)
+                self._pinned_bytes += nb
+                added += nb
+        if first_err is not None:
+            raise _with_context(first_err.error, first_err.layer, first_err.eid) from first_err.error
+        return added
+
+    def get(self, layer: int, eids) -> list:
+        """The experts of one MoE call on row ``layer``, in the order of ``eids`` (duplicates allowed;
+        each distinct expert is looked up, loaded and counted once per call).
+
+        Pinned and cached experts are hits; an expert being loaded by a prefetch (or by another
+        get()) is waited for, not read again; the remaining misses are read in parallel on the I/O
+        pool. The call's experts are then the most recently used of the row (in ascending expert
+        order) and the row is trimmed back to ``capacity``; experts used by another get() in
+        progress are never evicted.
+        """
+        layer = self._check_layer(layer)
+        eids = self._check_eids(layer, eids)
+        if not eids:
+            return []
+        distinct = list(dict.fromkeys(eids))
+        found = {}
+        lock = self._lock
+        st = self._st
+        pins, lru, busy = self._pins[layer], self._lru[layer], self._busy[layer]
+        with lock:
+            if self._closed:
+                raise RuntimeError("ExpertCache is closed")
+            row = self.usage[layer]
+            for e in eids:
+                row[e] += 1
+            pred = self._pred.pop(layer, None)
+            if pred is not None:
+                st["lookahead_true"] += len(distinct)
+                st["lookahead_hit"] += sum(1 for e in distinct if e in pred)
+            st["requests"] += len(distinct)
+            for e in distinct:
+                busy[e] = busy.get(e, 0) + 1
+        t_wait = 0.0
+        error = None                    # (eid, exception) of the first failure, in call order
+        try:
+            remaining = distinct
+            for round_ in range(2):
+                waits, misses = [], []
+                with lock:
+                    for e in remaining:
+                        obj = pins.get(e)
+                        if obj is not None:
+                            st["hits_pin"] += 1
+                            found[e] = obj
+                            continue
+                        ent = lru.get(e)
+                        if ent is not None:
+                            st["hits_lru"] += 1
+                            if ent.prefetched:
+                                ent.prefetched = False
+                                st["prefetch_used"] += 1
+                            found[e] = ent.obj
+                            continue
+                        p = self._inflight.get((layer, e))
+                        if p is not None:
+                            p.waiters += 1
+                            waits.append(p)
+                            continue
+                        p = _Pending(layer, e, "get")
+                        self._inflight[(layer, e)] = p
+                        misses.append(p)
+                        st["misses"] += 1
+                if not waits and not misses:
+                    break
+                t0 = time.perf_counter()
+                try:
+                    if len(misses) == 1:
+                        self._run_load(misses[0])
+                    elif misses:
+                        futures = []
+                        for p in misses:
+                            try:
+                                futures.append(self._pool.submit(self._run_load, p))
+                            except RuntimeError:          # pool shut down by a concurrent close()
+                                self._run_load(p)
+                        concurrent.futures.wait(futures)
+                    for p in waits:
+                        p.event.wait()
+                finally:
+                    t_wait += time.perf_counter() - t0
+                retry = []
+                with lock:
+                    for p in misses:
+                        if p.error is None:
+                            found[p.eid] = p.obj
+                    for p in waits:
+                        if p.error is None:
+                            found[p.eid] = p.obj
+                            st["prefetch_waits" if p.kind == "prefetch" else "inflight_waits"] += 1
+                        elif p.kind == "prefetch" and round_ == 0:
+                            retry.append(p.eid)      # a failed prefetch is not our error: read it again
+                failed = {p.eid: p.error for p in misses + waits
+                          if p.error is not None and p.eid not in retry}
+                if failed:
+                    e = next(x for x in distinct if x in failed)
+                    error = (e, failed[e])
+                    break
+                if not retry:
+                    break
+                remaining = retry
+        finally:
+            with lock:
+                st["wait_s"] += t_wait
+                for e in sorted(distinct):
+                    busy[e] -= 1
+                    if not busy[e]:
+                        del busy[e]
+                    obj = found.get(e)
+                    if obj is None or e in pins:
+                        continue
+                    ent = lru.get(e)
+                    if ent is None:
+                        lru[e] = _Entry(obj)
+                    else:
+                        if ent.prefetched:
+                            ent.prefetched = False
+                            st["prefetch_used"] += 1
+                        lru.move_to_end(e)
+                self._trim(layer)
+        if error is not None:
+            raise _with_context(error[1], layer, error[0]) from error[1]
+        return [found[e] for e in eids]
+
+    def prefetch(self, layer: int, eids, protect=()) -> None:
+        """Queue background loads of the experts of ``eids`` that are neither pinned, cached, loading
+        nor already queued. A prefetched expert becomes the most recent entry of the row, evicting
+        the least recently used entries that are not in ``protect`` and not used by a get() in
+        progress; if there are none, it is dropped. Returns at once."""
+        if not self.prefetch_enabled:
+            return
+        layer = self._check_layer(layer)
+        eids = self._check_eids(layer, eids)
+        protect = frozenset(operator.index(e) for e in protect)
+        with self._cond:
+            if self._closed:
+                return
+            pins, lru = self._pins[layer], self._lru[layer]
+            added = False
+            for e in dict.fromkeys(eids):
+                key = (layer, e)
+                if e in pins or e in lru or key in self._inflight or key in self._queued:
+                    continue
+                self._queue.append((layer, e, protect))
+                self._queued.add(key)
+                self._st["prefetch_issued"] += 1
+                added = True
+                while len(self._queue) > PREFETCH_QUEUE_MAX:
+                    old_layer, old_e, _ = self._queue.popleft()
+                    self._queued.discard((old_layer, old_e))
+                    self._st["prefetch_overflow"] += 1
+            if added:
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._prefetch_loop, name="colibri-prefetch",
+                                                    daemon=True)
+                    self._worker.start()
+                self._cond.notify_all()
+
+    def _prefetch_loop(self):
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                layer, e, protect = self._queue.popleft()
+                self._queued.discard((layer, e))
+                key = (layer, e)
+                if e in self._pins[layer] or e in self._lru[layer] or key in self._inflight:
+                    self._st["prefetch_skipped"] += 1
+                    if not self._queue:
+                        self._cond.notify_all()
+                    continue
+                p = _Pending(layer, e, "prefetch", protect)
+                self._inflight[key] = p
+                self._pf_active = True
+            try:
+                self._run_load(p)
+            finally:
+                with self._cond:
+                    self._pf_active = False
+                    self._cond.notify_all()
+
+    def wait_prefetch(self) -> None:
+        """Block until every queued prefetch has been handled (loaded, skipped, dropped or failed)."""
+        with self._cond:
+            while (self._queue or self._pf_active) and not self._closed and self._worker is not None:
+                self._cond.wait()
+
+    def prefetch_pending(self) -> int:
+        """Experts queued for prefetch and not yet taken by the worker."""
+        with self._lock:
+            return len(self._queue)
+
+    def record_prediction(self, layer: int, predicted_eids) -> None:
+        """Store a router-lookahead prediction for the next get() of ``layer`` (consumed by it):
+        that get() adds its distinct experts to ``lookahead_true`` and those predicted to
+        ``lookahead_hit``; ``stats["prefetch_recall"]`` is their ratio."""
+        layer = self._check_layer(layer)
+        pred = frozenset(operator.index(e) for e in predicted_eids)
+        with self._lock:
+            self._pred[layer] = pred
+
+    def set_capacity(self, capacity: int) -> None:
+        """Change the LRU capacity of every row (trimming rows that are now too long)."""
+        capacity = operator.index(capacity)
+        if capacity < 1:
+            raise ValueError(f"ExpertCache capacity must be >= 1, got {capacity}")
+        with self._lock:
+            self.capacity = capacity
+            for layer in range(self.n_rows):
+                self._trim(layer)
+
+    def close(self) -> None:
+        """Stop the prefetch thread (pending requests are discarded, a load in progress finishes)
+        and the I/O pool; unused prefetched experts still in the LRU are counted as wasted.
+        Further get()/pin() calls raise RuntimeError; prefetch() becomes a no-op. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.clear()
+            self._queued.clear()
+            self._cond.notify_all()
+            worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            for lru in self._lru:
+                for ent in lru.values():
+                    if ent.prefetched:
+                        ent.prefetched = False
+                        self._st["prefetch_wasted"] += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _open(self):
+        if self._closed:
+            raise RuntimeError("ExpertCache is closed")
+
+    # -- inspection -------------------------------------------------------------------------------
+
+    def tier(self, layer: int, eid: int):
+        """"pin", "lru", "loading" or None: where expert eid of layer is right now."""
+        layer, eid = self._check(layer, eid)
+        with self._lock:
+            if eid in self._pins[layer]:
+                return "pin"
+            if eid in self._lru[layer]:
+                return "lru"
+            if (layer, eid) in self._inflight:
+                return "loading"
+            return None
+
+    def lru_order(self, layer: int) -> list:
+        """The experts in layer's LRU, least recently used first."""
+        layer = self._check_layer(layer)
+        with self._lock:
+            return list(self._lru[layer])
+
+    def pinned(self, layer: int) -> list:
+        """The pinned experts of layer, ascending."""
+        layer = self._check_layer(layer)
+        with self._lock:
+            return sorted(self._pins[layer])
+
+    def reset_stats(self) -> None:
+        """Zero the counters (not ``usage``, not the tier contents)."""
+        with self._lock:
+            for k in _COUNTERS:
+                self._st[k] = 0.0 if k in _FLOAT_COUNTERS else 0
+
+    def reset_usage(self) -> None:
+        with self._lock:
+            self.usage[:] = 0
+
+    @property
+    def stats(self) -> dict:
+        """A snapshot of the counters (see the module docstring for the prefetch ones) plus
+        ``pinned_experts``, ``pinned_bytes``, ``lru_experts``, ``prefetch_unused``, ``hit_rate`` and
+        ``prefetch_recall`` (lookahead_hit / lookahead_true, 0.0 without predictions).
+
+        requests = hits_pin + hits_lru + prefetch_waits + inflight_waits + misses (distinct experts
+        per call), as long as no get() failed."""
+        with self._lock:
+            s = dict(self._st)
+            s["pinned_experts"] = sum(len(p) for p in self._pins)
+            s["pinned_bytes"] = self._pinned_bytes
+            s["lru_experts"] = sum(len(r) for r in self._lru)
+            s["prefetch_unused"] = sum(1 for r in self._lru for ent in r.values() if ent.prefetched)
+        s["hit_rate"] = self._hit_rate(s)
+        s["prefetch_recall"] = (s["lookahead_hit"] / s["lookahead_true"]) if s["lookahead_true"] else 0.0
+        return s
+
+    @staticmethod
+    def _hit_rate(s):
+        hits = s["hits_pin"] + s["hits_lru"] + s["prefetch_waits"] + s["inflight_waits"]
+        return hits / s["requests"] if s["requests"] else 0.0
+
+    def hit_rate(self) -> float:
+        """(hits_pin + hits_lru + prefetch_waits + inflight_waits) / requests (0.0 before any)."""
+        with self._lock:
+            return self._hit_rate(self._st)
