@@ -16,8 +16,8 @@ import numpy as np
 from libc.stdint cimport int8_t, uint8_t, int32_t
 from libc.math cimport expf, sqrtf, sqrt, cosf, sinf, isnan
 from libc.string cimport memcpy, memset
-from libc.stdlib cimport qsort
-from cython.parallel cimport prange, threadid
+from libc.stdlib cimport qsort, malloc, free
+from cython.parallel cimport prange, threadid, parallel
 
 from .config import Config, load_config
 from . import st as _st
@@ -258,6 +258,18 @@ cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const flo
             y[<Py_ssize_t>(s0 + r) * O + o] = ((r1[r] + r2[r]) if idot == IDOT_Q8X2 else r1[r]) * W.s[o]
 
 
+cdef inline void quant_row(const float *x, int n, int blk, int idot, int8_t *q1, float *s1,
+                           int8_t *q2, float *s2, float *xr) noexcept nogil:
+    """Q8 activations of one row for the integer paths: q1/s1 = Q8(x); with IDOT_Q8X2 also
+    q2/s2 = Q8(x − s1·q1), the residual (xr [n] is scratch)."""
+    cdef int i
+    coli_quantize_q8(x, n, blk, q1, s1)
+    if idot == IDOT_Q8X2:
+        for i in range(n):
+            xr[i] = x[i] - s1[i // blk] * q1[i]
+        coli_quantize_q8(xr, n, blk, q2, s2)
+
+
 cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
                     int8_t *xq, float *xs, float *xr, int block, int idot) noexcept nogil:
     """y[S, O] = x[S, I] · Wᵀ. Each output element is computed by one thread, and a row's result
@@ -277,11 +289,8 @@ cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
         blk = I if nb == 1 else block
         off2 = <Py_ssize_t>S * I
         for s in range(S):
-            coli_quantize_q8(x + <Py_ssize_t>s * I, I, blk, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb)
-            if idot == IDOT_Q8X2:
-                for i in range(I):
-                    xr[i] = x[<Py_ssize_t>s * I + i] - xs[<Py_ssize_t>s * nb + i // blk] * xq[<Py_ssize_t>s * I + i]
-                coli_quantize_q8(xr, I, blk, xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb)
+            quant_row(x + <Py_ssize_t>s * I, I, blk, idot, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb,
+                      xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb, xr)
         for o in prange(O, schedule='static', nogil=True, num_threads=nt):
             if o + PREFETCH_ROWS < O:
                 coli_prefetch_row(W.q + <Py_ssize_t>(o + PREFETCH_ROWS) * W.rb, W.rb)
@@ -290,6 +299,128 @@ cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
     for o in prange(O, schedule='static', nogil=True, num_threads=nt):
         for s in range(S):
             y[<Py_ssize_t>s * O + o] = qt_rowdot_f(W, o, x + <Py_ssize_t>s * I)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused FFN group: every FFN of one MoE layer call (routed experts + shared expert), or a dense MLP,
+# in one parallel region
+# ---------------------------------------------------------------------------------------------
+
+# Rows up to which an MoE / dense MLP call runs fused (decode, and verify batches of up to 16 drafts).
+FUSED_MAX_ROWS = 17
+# Multiply-adds of a fused group below which it stays on one thread.
+cdef double FUSED_MIN_MACS = float(os.environ.get("COLIBRI_FUSED_MIN_MACS", 1 << 18))
+
+
+cdef struct FfnJob:
+    # One FFN y = down · (silu(gate · x) ⊙ (up · x)) over rows urow[row0 .. row0+nr) of the layer
+    # input, added into out with the weights uw[row0 ..]. Offsets point into the group's scratch.
+    const QTc *gate
+    const QTc *up
+    const QTc *down
+    int nr, I, row0, w0                 # rows, intermediate width, first pair, first gate/up item
+    int nbI, blkI                       # activation blocks of its hidden rows
+    Py_ssize_t x0, xs0                  # its quantized inputs [2·nr, D] and their scales
+    Py_ssize_t h0                       # its hidden g/u [nr, I]
+    Py_ssize_t hq0, hs0                 # its quantized hidden [2·nr, I] and their scales
+    Py_ssize_t y0                       # its down outputs [nr, D]
+
+
+cdef inline int job_of(const FfnJob *jobs, int nj, int item, bint by_work) noexcept nogil:
+    """The job that owns a gate/up work item (by_work) or a (job, row) pair."""
+    cdef int j = 0
+    if by_work:
+        while j + 1 < nj and jobs[j + 1].w0 <= item:
+            j += 1
+    else:
+        while j + 1 < nj and jobs[j + 1].row0 <= item:
+            j += 1
+    return j
+
+
+cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const float *x, int D,
+                    const int *urow, const float *uw, int block, int idot,
+                    int8_t *xq, float *xs, float *g, float *u, int8_t *hq, float *hs, float *yd,
+                    float *xr, Py_ssize_t xr_stride, float *out, int nt) noexcept nogil:
+    """out[urow[p], :] += uw[p] · FFN_j(x[urow[p], :]) for every pair p of every job j, in job
+    order. Four phases separated by barriers: quantize the inputs; gate and up rows of every FFN
+    (one work item per weight row); silu(g)·u, quantized; down rows, one output column per item,
+    summing the FFNs in job order. Each value is computed by one thread with the same kernels and
+    the same order as the unfused path (matmul_qt per FFN, then out += w · y), so the results are
+    bit-identical to it and independent of the thread count."""
+    cdef int p, w, o, k, j, r, i, t, nbD = act_nblocks(D, block)
+    cdef int blkD = D if nbD == 1 else block
+    cdef const FfnJob *J
+    with parallel(num_threads=nt):
+        t = threadid()
+        for p in prange(npairs, schedule='static'):
+            J = &jobs[job_of(jobs, nj, p, False)]
+            r = p - J.row0
+            quant_row(x + <Py_ssize_t>urow[p] * D, D, blkD, idot,
+                      xq + J.x0 + <Py_ssize_t>r * D, xs + J.xs0 + <Py_ssize_t>r * nbD,
+                      xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, xs + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD,
+                      xr + t * xr_stride)
+        for w in prange(nwork, schedule='static'):
+            J = &jobs[job_of(jobs, nj, w, True)]
+            k = w - J.w0
+            if k < J.I:
+                if k + PREFETCH_ROWS < J.I:
+                    coli_prefetch_row(J.gate.q + <Py_ssize_t>(k + PREFETCH_ROWS) * J.gate.rb, J.gate.rb)
+                int_row(J.gate, k, J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, g + J.h0)
+            else:
+                k = k - J.I
+                if k + PREFETCH_ROWS < J.I:
+                    coli_prefetch_row(J.up.q + <Py_ssize_t>(k + PREFETCH_ROWS) * J.up.rb, J.up.rb)
+                int_row(J.up, k, J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, u + J.h0)
+        for p in prange(npairs, schedule='static'):
+            J = &jobs[job_of(jobs, nj, p, False)]
+            r = p - J.row0
+            for i in range(J.I):
+                g[J.h0 + <Py_ssize_t>r * J.I + i] = silu(g[J.h0 + <Py_ssize_t>r * J.I + i]) * u[J.h0 + <Py_ssize_t>r * J.I + i]
+            quant_row(g + J.h0 + <Py_ssize_t>r * J.I, J.I, J.blkI, idot,
+                      hq + J.hq0 + <Py_ssize_t>r * J.I, hs + J.hs0 + <Py_ssize_t>r * J.nbI,
+                      hq + J.hq0 + <Py_ssize_t>(J.nr + r) * J.I, hs + J.hs0 + <Py_ssize_t>(J.nr + r) * J.nbI,
+                      xr + t * xr_stride)
+        for o in prange(D, schedule='static'):
+            for j in range(nj):
+                J = &jobs[j]
+                if o + PREFETCH_ROWS < D:
+                    coli_prefetch_row(J.down.q + <Py_ssize_t>(o + PREFETCH_ROWS) * J.down.rb, J.down.rb)
+                int_row(J.down, o, J.nr, hq + J.hq0, hs + J.hs0, J.nbI, J.blkI, idot, yd + J.y0)
+            for j in range(nj):
+                J = &jobs[j]
+                for r in range(J.nr):
+                    out[<Py_ssize_t>urow[J.row0 + r] * D + o] += uw[J.row0 + r] * yd[J.y0 + <Py_ssize_t>r * D + o]
+
+
+cdef class FfnScratch:
+    """Buffers of a fused FFN group: up to max_jobs FFNs over max_pairs (FFN, row) pairs."""
+    cdef FfnJob *jobs
+    cdef public int max_jobs, max_pairs, D, I
+    cdef public object xq, xs, g, u, hq, hs, yd, xr, urow, uw
+
+    def __cinit__(self, int max_jobs, int max_pairs, int D, int I, int nt):
+        self.jobs = <FfnJob *>malloc(max_jobs * sizeof(FfnJob))
+        if self.jobs == NULL:
+            raise MemoryError()
+        self.max_jobs, self.max_pairs, self.D, self.I = max_jobs, max_pairs, D, I
+        self.xq = np.zeros(2 * max_pairs * D, np.int8)
+        self.xs = np.zeros(2 * max_pairs * D, np.float32)
+        self.g = np.zeros(max_pairs * I, np.float32)
+        self.u = np.zeros(max_pairs * I, np.float32)
+        self.hq = np.zeros(2 * max_pairs * I, np.int8)
+        self.hs = np.zeros(2 * max_pairs * I, np.float32)
+        self.yd = np.zeros(max_pairs * D, np.float32)
+        self.xr = np.zeros((max(nt, 1), max(D, I)), np.float32)
+        self.urow = np.zeros(max_pairs, np.int32)
+        self.uw = np.zeros(max_pairs, np.float32)
+
+    def __dealloc__(self):
+        free(self.jobs)
+
+
+cdef inline bint int_qt(QT W, int idot):
+    return W is not None and idot != IDOT_FLOAT and (W.c.fmt == FMT_I8 or W.c.fmt == FMT_I4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -613,6 +744,8 @@ cdef class Model:
     cdef public double t_disk, t_attn, t_moe
     # Scratch
     cdef Work _ws
+    cdef FfnScratch _fs
+    cdef public bint fused                        # run MoE / dense MLP calls of <= FUSED_MAX_ROWS rows fused
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -977,7 +1110,81 @@ cdef class Model:
 
     def dense_mlp(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, Work ws):
         """out = down · (silu(gate · n) ⊙ (up · n)). n [S, D] -> out [S, D]."""
+        cdef int s
+        if self._fusable(S, [(L.gate, L.up, L.down)]):
+            with nogil:
+                for s in range(S):
+                    memset(&out[s, 0], 0, out.shape[1] * sizeof(float))
+            self._ffn_fused([(L.gate, L.up, L.down, 0, S)], n, S, out, None)
+            return
         self._ffn(L.gate, L.up, L.down, &n[0, 0], S, &out[0, 0], ws)
+
+    def _fusable(self, int S, ffns):
+        if not self.fused or S > FUSED_MAX_ROWS:
+            return False
+        for gate, up, down in ffns:
+            if not (int_qt(gate, self.idot) and int_qt(up, self.idot) and int_qt(down, self.idot)):
+                return False
+        return True
+
+    def _ffn_scratch(self, int npairs, int njobs, int I):
+        """The fused group's scratch, grown to hold npairs (FFN, row) pairs of width <= I."""
+        cdef FfnScratch fs = self._fs
+        D = self.cfg.hidden
+        if fs is None or fs.max_pairs < npairs or fs.max_jobs < njobs or fs.I < I or \
+                fs.xr.shape[0] < coli_max_threads():
+            c = self.cfg
+            width = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter, I)
+            pairs = max(npairs, FUSED_MAX_ROWS * (c.topk + 1), fs.max_pairs if fs is not None else 0)
+            fs = FfnScratch(max(njobs, c.n_experts + 1), pairs, D, width, coli_max_threads())
+            self._fs = fs
+        return fs
+
+    def _ffn_fused(self, ffns, float[:, ::1] n, int S, float[:, ::1] out, rows):
+        """Run FFNs [(gate, up, down, first pair, pairs)] as one fused group (ffn_group). rows:
+        (urow, uw) int32/float32 arrays of the pairs' input rows and weights; None = rows 0..S-1
+        with weight 1 for a single FFN."""
+        c = self.cfg
+        cdef int D = c.hidden, nj = len(ffns), j, npairs, nwork = 0, Imax = 0
+        for f in ffns:
+            Imax = max(Imax, (<QT>f[0]).c.O)
+        npairs = sum(f[4] for f in ffns)
+        cdef FfnScratch fs = self._ffn_scratch(npairs, nj, Imax)
+        if rows is None:
+            fs.urow[:S] = np.arange(S, dtype=np.int32)
+            fs.uw[:S] = 1.0
+        else:
+            fs.urow[:npairs] = rows[0][:npairs]
+            fs.uw[:npairs] = rows[1][:npairs]
+        cdef FfnJob *J
+        cdef Py_ssize_t x0 = 0, xs0 = 0, h0 = 0, hq0 = 0, hs0 = 0, y0 = 0
+        cdef int nbD = act_nblocks(D, self.act_block)
+        for j in range(nj):
+            gate, up, down, row0, nr = ffns[j]
+            J = &fs.jobs[j]
+            J.gate, J.up, J.down = &(<QT>gate).c, &(<QT>up).c, &(<QT>down).c
+            J.nr, J.I, J.row0, J.w0 = nr, (<QT>gate).c.O, row0, nwork
+            J.nbI = act_nblocks(J.I, self.act_block)
+            J.blkI = J.I if J.nbI == 1 else self.act_block
+            J.x0, J.xs0, J.h0, J.hq0, J.hs0, J.y0 = x0, xs0, h0, hq0, hs0, y0
+            x0 += 2 * nr * D
+            xs0 += 2 * nr * nbD
+            h0 += nr * J.I
+            hq0 += 2 * nr * J.I
+            hs0 += 2 * nr * J.nbI
+            y0 += nr * D
+            nwork += 2 * J.I
+        cdef int8_t[::1] xq = fs.xq, hq = fs.hq
+        cdef float[::1] xs = fs.xs, g = fs.g, u = fs.u, hs = fs.hs, yd = fs.yd, uw = fs.uw
+        cdef float[:, ::1] xr = fs.xr
+        cdef int[::1] urow = fs.urow
+        cdef double macs = 3.0 * <double>h0 * D
+        cdef int nt = 1 if macs < FUSED_MIN_MACS else coli_max_threads()
+        cdef int block = self.act_block, idot = self.idot
+        with nogil:
+            ffn_group(fs.jobs, nj, npairs, nwork, &n[0, 0], D, &urow[0], &uw[0], block, idot,
+                      &xq[0], &xs[0], &g[0], &u[0], &hq[0], &hs[0], &yd[0], &xr[0, 0], xr.shape[1],
+                      &out[0, 0], nt)
 
     cdef int _ffn(self, QT gate, QT up, QT down, const float *x, int S, float *out, Work ws) except -1:
         """out[S, D] = down · (silu(gate · x) ⊙ (up · x)), the hidden [S, I] kept in ws.g / ws.u."""
@@ -1025,8 +1232,27 @@ cdef class Model:
         disk0 = self.t_disk
         cdef Expert X
         cdef int nr
+        experts = [self.expert_get(L.index, uniq[u]) for u in range(nu)]
+        ffns = [((<Expert>X).gate, (<Expert>X).up, (<Expert>X).down) for X in experts]
+        if L.gate is not None:
+            ffns.append((L.gate, L.up, L.down))
+        if self._fusable(S, ffns):
+            # routed experts in ascending id, then the shared expert (weight 1) on every row
+            jobs = [ffns[u] + (ustart[u], ustart[u + 1] - ustart[u]) for u in range(nu)]
+            npairs = ustart[nu]
+            urow_a = np.empty(npairs + (S if L.gate is not None else 0), np.int32)
+            uw_a = np.empty(len(urow_a), np.float32)
+            urow_a[:npairs] = np.asarray(urow)[:npairs]
+            uw_a[:npairs] = np.asarray(uw)[:npairs]
+            if L.gate is not None:
+                jobs.append(ffns[nu] + (npairs, S))
+                urow_a[npairs:] = np.arange(S, dtype=np.int32)
+                uw_a[npairs:] = 1.0
+            self._ffn_fused(jobs, n, S, out, (urow_a, uw_a))
+            self.t_moe += time.perf_counter() - t0 - (self.t_disk - disk0)
+            return
         for u in range(nu):
-            X = self.expert_get(L.index, uniq[u])
+            X = experts[u]
             nr = ustart[u + 1] - ustart[u]
             with nogil:
                 for j in range(nr):
@@ -1592,6 +1818,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.idot = idot
     m.act_block = act_block
     m.absorb = absorb
+    m.fused = os.environ.get("COLIBRI_FUSED", "1") != "0"
     m.dsa_force = dsa_force
     m.dense_bits = dense_bits
     m.expert_bits = expert_bits

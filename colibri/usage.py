@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 
 import numpy as np
 
@@ -24,6 +25,7 @@ AUTOPIN_MIN_HISTORY = 5000          # selections in the history before autopin d
 AUTOPIN_FULL_HISTORY = 200000       # history at which autopin trusts it fully
 AUTOPIN_FRACTION = 0.5              # share of the expert budget autopin may pin
 AUTOPIN_MIN_BYTES = 500_000_000     # the spec's 0.5 GB floor (see autopin_floor)
+_INT = re.compile(r"[+-]?[0-9]+")
 
 
 def load_counts(path, n_rows: int, n_experts: int, missing_ok: bool = False):
@@ -39,24 +41,26 @@ def load_counts(path, n_rows: int, n_experts: int, missing_ok: bool = False):
     skipped = 0
     path = os.fspath(path)
     try:
-        f = open(path, "r", encoding="utf-8", errors="strict")
+        f = open(path, "rb")
     except FileNotFoundError:
         if missing_ok:
             return counts, 0
         raise
     with f:
-        for lineno, line in enumerate(f, 1):
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text") from None
             text = line.split("#", 1)[0].strip()
             if not text:
                 continue
             parts = text.split()
             if len(parts) != 3:
                 raise ValueError(f"{path}:{lineno}: expected 'layer eid count', got {line.strip()!r}")
-            try:
-                layer, eid, count = (int(x, 10) for x in parts)
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: expected three decimal integers, "
-                                 f"got {line.strip()!r}") from None
+            if not all(_INT.fullmatch(x) for x in parts):
+                raise ValueError(f"{path}:{lineno}: expected three decimal integers, got {line.strip()!r}")
+            layer, eid, count = (int(x) for x in parts)
             if count < 0:
                 raise ValueError(f"{path}:{lineno}: negative count {count}")
             if not (0 <= layer < n_rows and 0 <= eid < n_experts):

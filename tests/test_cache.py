@@ -111,6 +111,19 @@ def in_thread(fn, *args):
     return fut
 
 
+def wait_for_waiter(c, key):
+    """Block until a get() is registered as waiting for the in-flight load of key (reads the
+    cache's private in-flight table: the only way to order the test threads without sleeps)."""
+    deadline = time.monotonic() + T
+    while time.monotonic() < deadline:
+        with c._lock:
+            p = c._inflight.get(key)
+            if p is not None and p.waiters > 0:
+                return
+        time.sleep(0.001)
+    raise AssertionError(f"no get() waiting for {key}")
+
+
 def check_prefetch_balance(s):
     assert s["prefetch_loaded"] == (s["prefetch_used"] + s["prefetch_dropped"] + s["prefetch_wasted"]
                                     + s["prefetch_unused"])
@@ -331,7 +344,9 @@ def test_get_waits_for_an_inflight_prefetch_without_a_second_read():
     assert ld.started[(0, 5)].wait(T)
     assert c.tier(0, 5) == "loading"
     fut = in_thread(c.get, 0, [5, 6])
-    time.sleep(0.05)
+    wait_for_waiter(c, (0, 5))
+    assert ld.started[(0, 6)].wait(T)             # the other expert is read meanwhile
+    time.sleep(0.02)
     assert not fut.done()
     gate.set()
     out = fut.result(T)
@@ -352,7 +367,7 @@ def test_waited_prefetch_goes_to_the_get_even_when_it_could_not_be_placed():
     c.prefetch(0, [5], protect=[0])                 # on its own it would be dropped (no victim)
     assert ld.started[(0, 5)].wait(T)
     fut = in_thread(c.get, 0, [5])
-    time.sleep(0.05)
+    wait_for_waiter(c, (0, 5))
     gate.set()
     assert fut.result(T)[0] is ld.made[(0, 5)][0]
     s = c.stats
@@ -462,7 +477,7 @@ def test_get_waiting_on_a_prefetch_that_fails_reads_it_itself():
     c.prefetch(1, [4])
     assert ld.started[(1, 4)].wait(T)
     fut = in_thread(c.get, 1, [4])
-    time.sleep(0.05)
+    wait_for_waiter(c, (1, 4))
     gate.set()
     out = fut.result(T)
     assert out[0] is ld.made[(1, 4)][0] and ld.count((1, 4)) == 2

@@ -64,10 +64,11 @@ def test_load_skips_and_counts_records_outside_the_shape(tmp_path):
     assert skipped == 3 and got.sum() == 3 and got[1, 3] == 2
 
 
-@pytest.mark.parametrize("line", ["0 1", "0 1 2 3", "a 1 2", "0 1 2.5", "0 1 -3", "0x1 1 1"])
+@pytest.mark.parametrize("line", ["0 1", "0 1 2 3", "a 1 2", "0 1 2.5", "0 1 -3", "0x1 1 1",
+                                  "0 1 \u0663", "0 1 \xff"])
 def test_malformed_line_names_file_and_line(tmp_path, line):
     p = tmp_path / "bad_stats"
-    p.write_text(f"0 0 1\n# fine\n{line}\n")
+    p.write_bytes(f"0 0 1\n# fine\n{line}\n".encode("utf-8" if "\xff" not in line else "latin-1"))
     with pytest.raises(ValueError, match=rf"bad_stats:3: "):
         usage.load_counts(p, 4, 4)
 
