@@ -19,6 +19,9 @@ from libc.string cimport memcpy, memset
 from libc.stdlib cimport qsort, malloc, free
 from cython.parallel cimport prange, threadid, parallel
 
+import threading
+
+from .cache import ExpertCache
 from .config import Config, load_config
 from . import st as _st
 from . import quant as _quant
@@ -618,6 +621,10 @@ class EngineError(RuntimeError):
 # absorb = auto: batches up to this many rows (decode, and a verify of 1 + up to 16 drafts) use the
 # absorbed path, longer ones (prefill) the expanded one, so decode and verify compute the same function.
 ABSORB_MAX_ROWS = 17
+# Router lookahead runs for forwards of up to this many rows (decode and small verify batches).
+PILOT_MAX_ROWS = 8
+cdef enum:
+    DIRECT_ALIGN = 4096     # O_DIRECT: offsets, sizes and buffers aligned to this (logical block size)
 
 # NOTE(HF): transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps 1e-6;
 # glm.c uses rms_norm_eps (1e-5) there (spec §11.7). We follow transformers.
@@ -736,10 +743,12 @@ cdef class Model:
     cdef public object h_all, hlast
     cdef public object mtp_logits                 # draft logits of the last mtp_draft chain
     # Expert cache: per layer {eid: Expert}; LRU by Expert.used
-    cdef public object ecache
-    cdef long long eclock
+    cdef public object cache                      # ExpertCache: pinned hot-store + per-layer LRU + prefetch
+    cdef public bint pilot                        # router-lookahead prefetch of layer L+1's experts
+    cdef public bint direct                       # O_DIRECT reads of expert payloads
+    cdef object _direct_fds, _io
     # Counters
-    cdef public long long expert_hits, expert_misses, bytes_read, forwards, decode_forwards, emitted
+    cdef public long long bytes_read, forwards, decode_forwards, emitted
     cdef public object trace                      # None, or a list that collects (forward, layer, rows, experts)
     cdef public double t_disk, t_attn, t_moe
     # Scratch
@@ -857,7 +866,15 @@ cdef class Model:
         names = [p + m + ".weight" for m in ("gate_proj", "up_proj", "down_proj")]
         shapes = [(c.moe_inter, c.hidden), (c.moe_inter, c.hidden), (c.hidden, c.moe_inter)]
         st = self.st
-        t0 = time.perf_counter()
+        self._io.start()
+        try:
+            return self._expert_read(li, eid, names, shapes)
+        finally:
+            self._io.stop()
+
+    def _expert_read(self, int li, int eid, names, shapes):
+        c = self.cfg
+        st = self.st
         E = Expert()
         E.eid = eid
         if names[0] + ".qs" in st:
@@ -869,7 +886,11 @@ cdef class Model:
                              infos[order[k]].offset == infos[order[k - 1]].offset + infos[order[k - 1]].nbytes
                              for k in range(1, 3))
             starts = [0, 0, 0]
-            if contiguous:
+            if contiguous and self.direct:
+                slab = self._pread_direct(infos[order[0]], total, infos[order[0]].offset)
+                for k in order:
+                    starts[k] = infos[k].offset - infos[order[0]].offset
+            elif contiguous:
                 self._pread(infos[order[0]], slab, infos[order[0]].offset)
                 for k in order:
                     starts[k] = infos[k].offset - infos[order[0]].offset
@@ -898,8 +919,34 @@ cdef class Model:
                 qts.append(W)
                 E.nbytes += W.nbytes
         E.gate, E.up, E.down = qts
-        self.t_disk += time.perf_counter() - t0
         return E
+
+    def _pread_direct(self, info, Py_ssize_t nbytes, long long offset):
+        """nbytes at offset with O_DIRECT (no page cache): the aligned superset is read into an
+        aligned buffer and the wanted bytes are returned as a view of it."""
+        fd = self._direct_fds.get(info.file_index)
+        if fd is None:
+            try:
+                fd = os.open(info.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            except OSError as e:
+                raise _st.ContainerError(f"{info.path}: cannot open with O_DIRECT ({e.strerror}); "
+                                         "run without --direct") from None
+            self._direct_fds[info.file_index] = fd
+        cdef long long a0 = offset & ~(DIRECT_ALIGN - 1)
+        cdef long long a1 = (offset + nbytes + DIRECT_ALIGN - 1) & ~(DIRECT_ALIGN - 1)
+        raw = np.empty(a1 - a0 + DIRECT_ALIGN, np.uint8)
+        shift = (-raw.ctypes.data) % DIRECT_ALIGN
+        buf = raw[shift:shift + (a1 - a0)]
+        try:
+            n = os.preadv(fd, [memoryview(buf)], a0)
+        except OSError as e:
+            raise _st.ContainerError(f"{info.path}: O_DIRECT read of {info.name} failed ({e.strerror}); "
+                                     "run without --direct") from None
+        if n < offset + nbytes - a0:
+            raise _st.ContainerError(f"{info.path}: short read of {info.name} ({n} of {a1 - a0} bytes); "
+                                     "the file was truncated or changed while running")
+        self.bytes_read += nbytes
+        return buf[offset - a0:offset - a0 + nbytes]
 
     def _pread(self, info, buf, long long offset):
         fd = self.st.fileno(info.file_index)
@@ -910,24 +957,36 @@ cdef class Model:
         self.bytes_read += n
 
     def expert_get(self, int li, int eid):
-        """Expert from the layer's LRU cache, or loaded (evicting the least recently used)."""
-        cache = self.ecache[li]
-        self.eclock += 1
-        E = cache.get(eid)
-        if E is not None:
-            self.expert_hits += 1
-            E.used = self.eclock
-            return E
-        self.expert_misses += 1
-        E = self.expert_load(li, eid)
-        E.used = self.eclock
-        if len(cache) >= self.cache_experts:
-            victim = min(cache.values(), key=lambda x: (x.used, x.eid))
-            del cache[victim.eid]
-        cache[eid] = E
-        return E
+        """Expert eid of layer li from the expert cache (pinned, LRU, or loaded)."""
+        return self.cache.get(li, [eid])[0]
+
+    property expert_hits:
+        """Experts found in memory (pinned, cached, or being loaded by a prefetch)."""
+        def __get__(self):
+            s = self.cache.stats
+            return s["hits_pin"] + s["hits_lru"] + s["prefetch_waits"] + s["inflight_waits"]
+
+    property expert_misses:
+        """Experts a forward had to read from disk itself."""
+        def __get__(self):
+            return self.cache.stats["misses"]
+
+    def io_stats(self):
+        """Disk figures: bytes read, seconds with at least one read in flight, read GB/s."""
+        busy = self._io.busy_s()
+        return {"bytes_read": int(self.bytes_read), "disk_busy_s": busy,
+                "read_gb_s": (self.bytes_read / busy / 1e9) if busy > 0 else 0.0}
 
     # -- KV ------------------------------------------------------------------------------------
+
+    def kv_bytes(self, max_t):
+        """Bytes of a KV cache of max_t positions (latent + rope key per layer and MTP row, plus
+        the indexer keys of full DSA layers)."""
+        c = self.cfg
+        nrows = c.n_layers + (1 if self.has_mtp else 0)
+        per_pos = sum(4 * (c.kv_lora + c.qk_rope + (c.index_hd if (self.has_dsa and c.idx_full[i]) else 0))
+                      for i in range(c.n_layers)) + (nrows - c.n_layers) * 4 * (c.kv_lora + c.qk_rope)
+        return per_pos * int(max_t)
 
     def kv_alloc(self, max_t):
         """(Re)allocate the KV cache for max_t positions."""
@@ -940,8 +999,7 @@ cdef class Model:
         if c.max_positions and max_t > c.max_positions + 64:
             raise ValueError(f"context of {max_t} positions exceeds max_position_embeddings = {c.max_positions}")
         nrows = c.n_layers + (1 if self.has_mtp else 0)
-        per_pos = sum(4 * (c.kv_lora + c.qk_rope + (c.index_hd if (self.has_dsa and c.idx_full[i]) else 0))
-                      for i in range(c.n_layers)) + (nrows - c.n_layers) * 4 * (c.kv_lora + c.qk_rope)
+        per_pos = self.kv_bytes(1)
         try:
             phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
@@ -1228,11 +1286,12 @@ cdef class Model:
         if self.trace is not None:
             self.trace.append((self.forwards, L.index, S, [uniq[u] for u in range(nu)]))
         # Each unique expert once, in ascending id: gather its rows, FFN, scatter-add.
-        t0 = time.perf_counter()
-        disk0 = self.t_disk
         cdef Expert X
         cdef int nr
-        experts = [self.expert_get(L.index, uniq[u]) for u in range(nu)]
+        t0 = time.perf_counter()
+        experts = self.cache.get(L.index, [uniq[u] for u in range(nu)])
+        self.t_disk += time.perf_counter() - t0
+        t0 = time.perf_counter()
         ffns = [((<Expert>X).gate, (<Expert>X).up, (<Expert>X).down) for X in experts]
         if L.gate is not None:
             ffns.append((L.gate, L.up, L.down))
@@ -1249,7 +1308,7 @@ cdef class Model:
                 urow_a[npairs:] = np.arange(S, dtype=np.int32)
                 uw_a[npairs:] = 1.0
             self._ffn_fused(jobs, n, S, out, (urow_a, uw_a))
-            self.t_moe += time.perf_counter() - t0 - (self.t_disk - disk0)
+            self.t_moe += time.perf_counter() - t0
             return
         for u in range(nu):
             X = experts[u]
@@ -1263,7 +1322,7 @@ cdef class Model:
                     r = urow[ustart[u] + j]
                     for i in range(D):
                         out[r, i] += uw[ustart[u] + j] * yg[j, i]
-        self.t_moe += time.perf_counter() - t0 - (self.t_disk - disk0)
+        self.t_moe += time.perf_counter() - t0
         if L.gate is not None:
             # Shared expert, added after every routed contribution (HF: experts(x) + shared(x)).
             self._ffn(L.gate, L.up, L.down, &n[0, 0], S, &yg[0, 0], ws)
@@ -1290,6 +1349,9 @@ cdef class Model:
                 for i in range(D):
                     x[s, i] += a[s, i]
                 rmsnorm_row(&n[s, 0], &x[s, 0], &w2[0], D, eps)
+        if self.pilot and S <= PILOT_MAX_ROWS and L.index + 1 < self.cfg.n_layers \
+                and self.layers[L.index + 1].sparse:
+            self.pilot_prefetch(self.layers[L.index + 1], x, S, ws)
         if L.sparse:
             self.moe(L, n, S, f, ws)
         else:
@@ -1298,6 +1360,32 @@ cdef class Model:
             for s in range(S):
                 for i in range(D):
                     x[s, i] += f[s, i]
+
+    def pilot_prefetch(self, Layer Nx, float[:, ::1] x, int S, Work ws):
+        """Router lookahead (spec §7.7): layer Nx's router applied to the current post-attention
+        residual x [S, D], normalized with Nx's post_attention_layernorm, predicts Nx's experts;
+        they are loaded into the cache on the prefetch thread while this layer computes. The
+        prediction is recorded so the cache counts its recall against Nx's true routing."""
+        c = self.cfg
+        cdef int E = c.n_experts, K = c.topk, D = c.hidden, s, k
+        cdef float[:, ::1] rl = ws.rl, rw = ws.rw, pn = ws.xg
+        cdef int[:, ::1] rsel = ws.rsel
+        cdef float[::1] w2 = Nx.post_ln, bias = Nx.router_bias
+        cdef float eps = c.eps, rs = c.routed_scale
+        cdef bint norm = c.norm_topk
+        with nogil:
+            for s in range(S):
+                rmsnorm_row(&pn[s, 0], &x[s, 0], &w2[0], D, eps)
+        self._mm(Nx.router, &pn[0, 0], S, &rl[0, 0], ws)
+        pred = set()
+        for s in range(S):
+            if route_row(&rl[s, 0], &bias[0], E, K, norm, rs, &rsel[s, 0], &rw[s, 0]) != 0:
+                return                      # NaN scores: the real routing will report it
+            for k in range(K):
+                pred.add(rsel[s, k])
+        pred = sorted(pred)
+        self.cache.record_prediction(Nx.index, pred)
+        self.cache.prefetch(Nx.index, pred)
 
     def layers_forward(self, float[:, ::1] x, int S, int pos_base):
         for L in self.layers:
@@ -1564,9 +1652,11 @@ cdef class Model:
         return out, kv
 
     def reset_stats(self):
-        self.expert_hits = self.expert_misses = self.bytes_read = self.forwards = 0
+        self.bytes_read = self.forwards = 0
         self.decode_forwards = self.emitted = 0
         self.t_disk = self.t_attn = self.t_moe = 0.0
+        self.cache.reset_stats()
+        self._io.reset()
 
     def resident_bytes(self):
         """Bytes of resident weights (embed, lm_head, attention, dense/shared MLP, indexer)."""
@@ -1578,6 +1668,11 @@ cdef class Model:
         return tot
 
     def close(self):
+        if self.cache is not None:
+            self.cache.close()
+        for fd in (self._direct_fds or {}).values():
+            os.close(fd)
+        self._direct_fds = {}
         if self.st is not None:
             self.st.close()
 
@@ -1785,7 +1880,7 @@ def _load_mtp(Model m):
 
 def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=32, int idot=IDOT_Q8X2,
                int act_block=0, int absorb=-1, bint dsa_force=False, bint dsa=True, bint mtp=True,
-               isa=None, threads=0):
+               isa=None, threads=0, int io_threads=4, bint prefetch=True, bint direct=False):
     """Load a model directory (our container or a plain HF checkpoint).
 
     cache_experts: routed experts kept per layer in the LRU cache (0 = all of them).
@@ -1796,8 +1891,13 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
         fastest), 0 = float dequant-on-use dots.
     act_block: activation quantization block (0 = one scale per row, else a multiple of 64).
     absorb: -1 auto (absorbed attention for batches of <= 17 rows: decode and verify), 0 never, 1 always.
+    io_threads: readers that load the missing experts of one MoE call concurrently.
+    prefetch: router-lookahead prefetch of the next layer's experts (only when experts stream).
+    direct: read expert payloads with O_DIRECT (bypassing the OS page cache).
     """
     path = os.fspath(path)
+    if io_threads < 1:
+        raise ValueError(f"io_threads must be >= 1, got {io_threads}")
     cfg = load_config(path)
     check_block(act_block)
     check_idot(idot)
@@ -1840,9 +1940,44 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.has_mtp = bool(mtp) and _has_mtp_tensors(m.st, cfg.n_layers)
     if m.has_mtp:
         _load_mtp(m)
-    m.ecache = [dict() for _ in range(cfg.n_layers + 1)]
+    m.direct = direct
+    m._direct_fds = {}
+    m._io = _IoClock()
+    # Rows of the cache: every layer index (dense ones stay empty) plus the MTP row.
+    m.cache = ExpertCache(m.expert_load, cfg.n_layers + 1, m.cache_experts, io_threads=io_threads,
+                          prefetch=prefetch, n_experts=cfg.n_experts)
+    m.pilot = bool(prefetch) and m.cache_experts < cfg.n_experts
     m.reset_stats()
     return m
+
+
+class _IoClock:
+    """Wall seconds during which at least one expert read is in flight (reads overlap on the I/O
+    pool and the prefetch thread, so the sum of their durations would overstate the disk time)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        with self._lock:
+            self._n, self._t0, self._busy = 0, 0.0, 0.0
+
+    def start(self):
+        with self._lock:
+            if self._n == 0:
+                self._t0 = time.perf_counter()
+            self._n += 1
+
+    def stop(self):
+        with self._lock:
+            self._n -= 1
+            if self._n == 0:
+                self._busy += time.perf_counter() - self._t0
+
+    def busy_s(self):
+        with self._lock:
+            return self._busy + ((time.perf_counter() - self._t0) if self._n else 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

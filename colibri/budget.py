@@ -168,7 +168,8 @@ def linux_mem_available_bytes(meminfo="/proc/meminfo", cgroup_root="/sys/fs/cgro
 # -- the plan ----------------------------------------------------------------------------------------
 
 def _gb(n):
-    return f"{n / 1e9:.2f} GB"
+    """Bytes as GB, or MB below 1 GB (a small model's parts would all read 0.00 GB)."""
+    return f"{n / 1e9:.2f} GB" if abs(n) >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 @dataclass

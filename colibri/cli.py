@@ -10,7 +10,8 @@ from .config import ConfigError
 def _engine_options(p: argparse.ArgumentParser):
     g = p.add_argument_group("engine")
     g.add_argument("--cache-experts", type=int, default=0, metavar="N",
-                   help="routed experts cached per layer (LRU); 0 = all (default)")
+                   help="routed experts cached per layer (LRU); 0 = as many as the RAM budget allows, "
+                        "up to all (default)")
     g.add_argument("--dense-bits", type=int, default=32, choices=(4, 8, 32),
                    help="precision of resident weights stored as floats in the model files "
                         "(container files keep their own format; default 32 = f32)")
@@ -30,11 +31,34 @@ def _engine_options(p: argparse.ArgumentParser):
     g.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: all cores)")
 
 
+def _tier_options(p: argparse.ArgumentParser):
+    g = p.add_argument_group("expert tiers and I/O")
+    g.add_argument("--ram", type=float, default=None, metavar="GB",
+                   help="RAM budget in GB for the expert cache sizing (default: 0.88 x available memory)")
+    g.add_argument("--pin", default=None, metavar="STATS",
+                   help="pin the most used experts of a stats file ('layer eid count' lines) in RAM")
+    g.add_argument("--pin-gb", type=float, default=None, metavar="GB",
+                   help="hot-store size for --pin (default 10 GB, capped by the budget)")
+    g.add_argument("--no-autopin", action="store_true",
+                   help="do not pin experts from the routing history saved next to the model")
+    g.add_argument("--no-prefetch", action="store_true",
+                   help="turn off the router-lookahead prefetch of the next layer's experts")
+    g.add_argument("--direct", action="store_true",
+                   help="read expert payloads with O_DIRECT, bypassing the OS page cache")
+    g.add_argument("--io-threads", type=int, default=4, metavar="N",
+                   help="concurrent expert reads per MoE layer (default 4)")
+
+
 def engine_kwargs(args) -> dict:
-    return dict(cache_experts=args.cache_experts, dense_bits=args.dense_bits, expert_bits=args.expert_bits,
-                idot=args.idot, act_block=args.act_block,
-                absorb={"auto": -1, "never": 0, "always": 1}[args.absorb],
-                dsa_force=args.dsa_force, threads=args.threads)
+    kw = dict(cache_experts=args.cache_experts, dense_bits=args.dense_bits, expert_bits=args.expert_bits,
+              idot=args.idot, act_block=args.act_block,
+              absorb={"auto": -1, "never": 0, "always": 1}[args.absorb],
+              dsa_force=args.dsa_force, threads=args.threads)
+    if hasattr(args, "io_threads"):
+        if args.io_threads < 1:
+            raise ValueError(f"--io-threads must be >= 1, got {args.io_threads}")
+        kw.update(io_threads=args.io_threads, prefetch=not args.no_prefetch, direct=args.direct)
+    return kw
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "tools/simulate_cache.py")
     r.add_argument("--quiet", "-q", action="store_true", help="print only the generated text")
     _engine_options(r)
+    _tier_options(r)
 
     c = sub.add_parser("convert", help="convert HF safetensors into the quantized container",
                        description="Convert an HF glm_moe_dsa checkpoint (bf16/f16/f32/FP8) into colibri's "

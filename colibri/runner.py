@@ -73,6 +73,21 @@ def run(args) -> int:
     if cfg.max_positions and need > cfg.max_positions:
         raise ValueError(f"prompt ({len(ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the model's "
                          f"context of {cfg.max_positions} positions")
+    try:
+        return _generate(args, model, tok, ids, need, draft_mode, t_load)
+    finally:
+        model.close()
+
+
+def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
+    from . import tiers as _tiers
+    from ._core import Sampler
+    from .draft import DraftPolicy
+    cfg = model.cfg
+    tiers = _tiers.configure(model, need, requested=args.cache_experts, ram_gb=args.ram, pin=args.pin,
+                             pin_gb=args.pin_gb, autopin=not args.no_autopin, prefetch=not args.no_prefetch)
+    if not args.quiet:
+        print(tiers.summary(), file=sys.stderr)
     sampler = Sampler(cfg.vocab, args.temperature, args.top_p, args.seed)
     policy = DraftPolicy(draft_mode)
     stops = set(cfg.eos_ids)
@@ -98,6 +113,7 @@ def run(args) -> int:
                                    stops=stops, emit=printer.emit)
     t_decode = time.perf_counter() - t1
     printer.finish()
+    model.cache.wait_prefetch()
     n_dec = len(out_ids)
     stats = {
         "tokens": out_ids,
@@ -117,13 +133,12 @@ def run(args) -> int:
         "tokens_per_forward": (n_dec / model.decode_forwards) if model.decode_forwards else float(n_dec),
     }
     stats.update(policy.stats())
+    stats.update(tier_stats(model, tiers, t_prefill + t_decode))
     if not args.quiet:
-        looks = stats["expert_hits"] + stats["expert_misses"]
-        hit = 100.0 * stats["expert_hits"] / looks if looks else 0.0
         print(f"---\nprefill {len(ids)} tok in {t_prefill:.3f}s ({len(ids) / max(t_prefill, 1e-9):.1f} tok/s) | "
               f"decode {n_dec} tok in {t_decode:.3f}s ({stats['decode_tok_s']:.1f} tok/s) | "
-              f"expert hit {hit:.1f}% ({stats['expert_misses']} loads, {stats['bytes_read'] / 1e6:.1f} MB read) | "
               f"peak RSS {stats['peak_rss_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
+        print(tier_line(stats), file=sys.stderr)
         print(f"speculation: {stats['tokens_per_forward']:.2f} tokens/forward | drafts proposed "
               f"{stats['drafts_proposed']}, accepted {stats['drafts_accepted']} "
               f"({100 * stats['acceptance']:.1f}%){' | drafting turned off' if stats['draft_off'] else ''}",
@@ -133,7 +148,45 @@ def run(args) -> int:
             json.dump(stats, f)
     if args.trace:
         write_trace(args.trace, model, args.model)
+    try:
+        tiers.save_usage(model)
+    except OSError as e:
+        print(f"[colibri] warning: routing history not saved ({e})", file=sys.stderr)
     return 0
+
+
+def tier_stats(model, tiers, wall_s: float) -> dict:
+    """Cache tiers, disk and time split of a run (the fields tools read from --stats-json)."""
+    cs = model.cache.stats
+    io = model.io_stats()
+    t_disk, t_moe, t_attn = model.t_disk, model.t_moe, model.t_attn
+    plan = tiers.plan
+    return {
+        "hit_rate": cs["hit_rate"], "hits_pin": cs["hits_pin"], "hits_lru": cs["hits_lru"],
+        "prefetch_waits": cs["prefetch_waits"], "misses": cs["misses"], "loads": cs["loads"],
+        "read_gb_s": io["read_gb_s"], "disk_busy_s": io["disk_busy_s"],
+        "prefetch_issued": cs["prefetch_issued"], "prefetch_loaded": cs["prefetch_loaded"],
+        "prefetch_used": cs["prefetch_used"], "prefetch_wasted": cs["prefetch_wasted"] + cs["prefetch_unused"],
+        "prefetch_dropped": cs["prefetch_dropped"], "prefetch_recall": cs["prefetch_recall"],
+        "pinned_experts": cs["pinned_experts"], "pinned_bytes": cs["pinned_bytes"],
+        "cache_experts": model.cache_experts, "ram_budget_bytes": plan.budget_bytes,
+        "projected_peak_bytes": plan.projected_peak_bytes,
+        "time_disk_wait_s": t_disk, "time_expert_matmul_s": t_moe, "time_attention_s": t_attn,
+        "time_other_s": max(wall_s - t_disk - t_moe - t_attn, 0.0),
+    }
+
+
+def tier_line(s: dict) -> str:
+    looks = s["expert_hits"] + s["expert_misses"]
+    parts = [f"experts: hit {100 * s['hit_rate']:.1f}% (pinned {s['hits_pin']}, LRU {s['hits_lru']}, "
+             f"prefetched in flight {s['prefetch_waits']}, missed {s['misses']} of {looks})",
+             f"read {s['bytes_read'] / 1e6:.1f} MB at {s['read_gb_s']:.2f} GB/s"]
+    if s["prefetch_issued"]:
+        parts.append(f"prefetch recall {100 * s['prefetch_recall']:.1f}%, {s['prefetch_loaded']} loaded, "
+                     f"{s['prefetch_used']} used, {s['prefetch_wasted']} wasted")
+    parts.append(f"time: disk wait {s['time_disk_wait_s']:.3f}s, expert matmul {s['time_expert_matmul_s']:.3f}s, "
+                 f"attention {s['time_attention_s']:.3f}s, other {s['time_other_s']:.3f}s")
+    return " | ".join(parts)
 
 
 def expert_disk_bytes(model, layer: int, eid: int = 0) -> int:

@@ -117,15 +117,17 @@ def usage_path(model_dir) -> str:
     embedded default model inside a read-only site-packages)
     ``$XDG_CACHE_HOME/colibri/usage/<first 16 hex of sha256(absolute model path)>.txt``, with
     ``~/.cache`` when ``XDG_CACHE_HOME`` is unset, empty or relative (XDG rule); that folder is
-    created.
+    created. ``COLIBRI_USAGE_DIR`` forces that folder for every model (tests use it so that no run
+    writes into a model folder).
     """
     model_dir = os.path.abspath(os.fspath(model_dir))
-    if os.path.isdir(model_dir) and os.access(model_dir, os.W_OK | os.X_OK):
+    forced = os.environ.get("COLIBRI_USAGE_DIR", "")
+    if not forced and os.path.isdir(model_dir) and os.access(model_dir, os.W_OK | os.X_OK):
         return os.path.join(model_dir, USAGE_FILE)
     base = os.environ.get("XDG_CACHE_HOME", "")
     if not base or not os.path.isabs(base):
         base = os.path.join(os.path.expanduser("~"), ".cache")
-    folder = os.path.join(base, "colibri", "usage")
+    folder = forced or os.path.join(base, "colibri", "usage")
     os.makedirs(folder, exist_ok=True)
     digest = hashlib.sha256(model_dir.encode("utf-8", "surrogateescape")).hexdigest()[:16]
     return os.path.join(folder, digest + ".txt")

@@ -7,6 +7,14 @@ DATA = pathlib.Path(__file__).parent / "data"
 ORACLES = ["tiny_dense", "tiny_dsa"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _usage_history_outside_the_checkout(tmp_path_factory):
+    """Runs save their routing history next to the model; tests keep it in a temporary folder
+    (inherited by the CLI subprocesses) so that nothing is written into tests/data or the package."""
+    os.environ["COLIBRI_USAGE_DIR"] = str(tmp_path_factory.mktemp("usage"))
+    yield
+
+
 @pytest.fixture(scope="session")
 def data_dir():
     return DATA

@@ -91,11 +91,19 @@ def test_save_rejects_bad_counts_and_leaves_no_tmp(tmp_path):
 
 # -- usage_path ------------------------------------------------------------------------------------
 
-def test_usage_path_in_a_writable_model_folder(tmp_path):
+def test_usage_path_in_a_writable_model_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("COLIBRI_USAGE_DIR", raising=False)
     assert usage.usage_path(tmp_path) == os.path.join(str(tmp_path), ".colibri_usage")
 
 
+def test_usage_dir_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLIBRI_USAGE_DIR", str(tmp_path / "hist"))
+    p = usage.usage_path(tmp_path / "model")
+    assert os.path.dirname(p) == str(tmp_path / "hist") and os.path.isdir(tmp_path / "hist")
+
+
 def test_usage_path_falls_back_to_the_user_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("COLIBRI_USAGE_DIR", raising=False)
     model = tmp_path / "site-packages" / "colibri" / "models" / "default"
     model.mkdir(parents=True)
     real_access = os.access

@@ -1,0 +1,147 @@
+"""Expert tiers at start-up and after a generation: RAM budget, pins and usage learning.
+
+``configure`` runs once after ``model_init`` (spec §7.2, §7.3, §7.8): it projects the RAM peak of
+this configuration (resident weights, KV cache, working buffers, MTP row, LRU rows, pins), sizes the
+per-layer LRU to the budget, and pins experts into the hot-store, from an explicit stats file
+(``--pin FILE --pin-gb N``) or, with enough routing history saved next to the model, from that
+history (autopin). ``Tiers.save_usage`` adds this run's routing counts to the history, atomically.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import budget as _budget
+from . import usage as _usage
+
+#: Default hot-store budget of an explicit ``--pin FILE`` (the reference's PIN_GB).
+PIN_GB_DEFAULT = 10.0
+
+
+def expert_bytes_by_row(model) -> list:
+    """Disk bytes of one expert (payloads + row scales) for every cache row: the main layers (0 for
+    dense ones) and the MTP row (0 without an MTP head)."""
+    c = model.cfg
+    st = model.st
+    out = []
+    for layer in range(c.n_layers + 1):
+        moe = (c.sparse[layer] if layer < c.n_layers else model.has_mtp)
+        n = 0
+        if moe:
+            for m in ("gate_proj", "up_proj", "down_proj"):
+                name = f"model.layers.{layer}.mlp.experts.0.{m}.weight"
+                n += st.info(name).nbytes
+                if name + ".qs" in st:
+                    n += st.info(name + ".qs").nbytes
+        out.append(n)
+    return out
+
+
+def work_bytes_estimate(model, ctx: int) -> int:
+    """Scratch of a forward sized for the context (decode/verify rows and one prompt batch):
+    activations, attention scores, logits and the fused FFN group's buffers."""
+    c = model.cfg
+    S = 17                                     # verify batches (1 + up to 16 drafts)
+    inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)
+    width = max(2 * c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter)
+    rows = max(S, ctx)
+    floats = (S * (6 * c.hidden + c.q_lora + c.n_heads * c.qk_head + 2 * inter + c.n_experts)
+              + 2 * ctx                        # attention scores per thread
+              + rows * c.n_heads * (c.qk_nope + c.v_head)   # expanded kv_b rows of a prompt
+              + 3 * rows * width               # activation quantization
+              + S * c.vocab)                   # logits of a verify batch
+    pairs = S * (c.topk + 1)
+    ffn = pairs * (5 * c.hidden + 6 * inter)
+    return int(4 * floats + 4 * ffn)
+
+
+@dataclass
+class Tiers:
+    """What ``configure`` decided, and the routing history to extend after the run."""
+    plan: _budget.RamPlan
+    pinned: int = 0
+    pinned_bytes: int = 0
+    pin_source: str = ""
+    usage_file: str = ""
+    history: np.ndarray = None
+    history_total: int = 0
+    notes: list = field(default_factory=list)
+
+    def summary(self) -> str:
+        s = self.plan.summary()
+        if self.pinned:
+            s += f"\n[PIN] hot-store: {self.pinned} experts in RAM ({self.pinned_bytes / 1e6:.1f} MB) from {self.pin_source}"
+        for n in self.notes:
+            s += f"\n[RAM] {n}"
+        return s
+
+    def save_usage(self, model) -> str:
+        """Add this run's routing counts to the history file (atomic write); returns its path."""
+        if not self.usage_file:
+            return ""
+        counts = model.cache.usage.astype(np.int64)
+        if self.history is not None and self.history.shape == counts.shape:
+            counts = counts + self.history
+        if counts.any():
+            _usage.save_counts(self.usage_file, counts)
+        return self.usage_file
+
+
+def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin_gb=None,
+              autopin: bool = True, prefetch: bool = True, learn: bool = True) -> Tiers:
+    """Size the expert cache for the RAM budget and pin experts; see the module docstring.
+
+    requested: experts per layer asked for (0 = as many as the budget allows, up to all);
+    ram_gb: the budget in GB (default 0.88 × available memory); pin/pin_gb: explicit pins from a
+    stats file (``layer eid count`` lines); autopin: pin from the saved routing history;
+    learn: keep the history file up to date (``Tiers.save_usage``)."""
+    c = model.cfg
+    rows = expert_bytes_by_row(model)
+    main = [b for b in rows[:c.n_layers] if b > 0]
+    if not main:                                   # no routed experts at all: nothing to size
+        plan = _budget.plan_ram(model.resident_bytes(), model.kv_bytes(ctx), work_bytes_estimate(model, ctx),
+                                1, 0, max(c.n_experts, 1), 1, ram_bytes=_gb(ram_gb))
+        return Tiers(plan=plan)
+    kw = dict(resident_bytes=model.resident_bytes(), kv_bytes=model.kv_bytes(ctx),
+              work_bytes=work_bytes_estimate(model, ctx), expert_bytes=max(main), n_moe_rows=len(main),
+              n_experts=c.n_experts, requested_capacity=requested, ram_bytes=_gb(ram_gb),
+              mtp_expert_bytes=rows[c.n_layers] or None, prefetch=prefetch)
+    plan = _budget.plan_ram(**kw)
+    t = Tiers(plan=plan)
+    if learn or autopin:
+        t.usage_file = _usage.usage_path(model.path)
+        t.history, skipped = _usage.load_counts(t.usage_file, c.n_layers + 1, c.n_experts, missing_ok=True)
+        t.history_total = int(t.history.sum())
+        if skipped:
+            t.notes.append(f"{skipped} records of {t.usage_file} do not fit this model; ignored")
+    items = []
+    if pin:
+        counts, skipped = _usage.load_counts(pin, c.n_layers + 1, c.n_experts)
+        want = int((PIN_GB_DEFAULT if pin_gb is None else pin_gb) * 1e9)
+        room = max(plan.expert_avail_bytes - sum(rows), 0)   # leave at least one LRU expert per row
+        if want > room:
+            t.notes.append(f"--pin-gb {want / 1e9:.2f} exceeds the {room / 1e9:.2f} GB left for experts; "
+                           "pinning that much")
+            want = room
+        items = _usage.choose_pins(counts, want, rows)
+        t.pin_source = pin
+    elif autopin and plan.capacity < c.n_experts and t.history_total:
+        want = _usage.autopin_budget(t.history_total, plan.expert_avail_bytes,
+                                     _usage.autopin_floor(min(main)))
+        if want:
+            items = _usage.choose_pins(t.history, want, rows)
+            t.pin_source = f"{t.usage_file} (autopin, {t.history_total} selections of history)"
+    if items:
+        t.pinned_bytes = int(model.cache.pin(items))
+        t.pinned = len(items)
+        kw["pin_bytes"] = sum(rows[layer] for layer, _ in items)
+        t.plan = plan = _budget.plan_ram(**kw)
+    model.cache.set_capacity(plan.capacity)
+    model.cache_experts = plan.capacity
+    model.pilot = bool(prefetch) and plan.capacity < c.n_experts
+    return t
+
+
+def _gb(x):
+    return None if x is None else int(float(x) * 1e9)
