@@ -8,6 +8,8 @@ history (autopin). ``Tiers.save_usage`` adds this run's routing counts to the hi
 """
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +58,23 @@ def work_bytes_estimate(model, ctx: int) -> int:
     return int(4 * floats + 4 * ffn)
 
 
+def current_rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc/self/statm; else the peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(r) if sys.platform == "darwin" else int(r) * 1024
+
+
+def runtime_bytes(model) -> int:
+    """What the process holds besides the model's resident weights (interpreter, numpy, the
+    tokenizer, loaded config): the RSS now minus the weights model_init loaded."""
+    return max(current_rss_bytes() - int(model.resident_bytes()), 0)
+
+
 @dataclass
 class Tiers:
     """What ``configure`` decided, and the routing history to extend after the run."""
@@ -89,13 +108,14 @@ class Tiers:
 
 
 def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin_gb=None,
-              autopin: bool = True, prefetch: bool = True, learn: bool = True) -> Tiers:
+              autopin: bool = True, prefetch: bool = True, learn: bool = True, runtime=None) -> Tiers:
     """Size the expert cache for the RAM budget and pin experts; see the module docstring.
 
     requested: experts per layer asked for (0 = as many as the budget allows, up to all);
     ram_gb: the budget in GB (default 0.88 × available memory); pin/pin_gb: explicit pins from a
     stats file (``layer eid count`` lines); autopin: pin from the saved routing history;
-    learn: keep the history file up to date (``Tiers.save_usage``)."""
+    learn: keep the history file up to date (``Tiers.save_usage``); runtime: bytes the process holds
+    besides the model (default: measured, see ``runtime_bytes``)."""
     c = model.cfg
     rows = expert_bytes_by_row(model)
     main = [b for b in rows[:c.n_layers] if b > 0]
@@ -104,7 +124,8 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
                                 1, 0, max(c.n_experts, 1), 1, ram_bytes=_gb(ram_gb))
         return Tiers(plan=plan)
     kw = dict(resident_bytes=model.resident_bytes(), kv_bytes=model.kv_bytes(ctx),
-              work_bytes=work_bytes_estimate(model, ctx), expert_bytes=max(main), n_moe_rows=len(main),
+              work_bytes=work_bytes_estimate(model, ctx) + (runtime_bytes(model) if runtime is None else int(runtime)),
+              expert_bytes=max(main), n_moe_rows=len(main),
               n_experts=c.n_experts, requested_capacity=requested, ram_bytes=_gb(ram_gb),
               mtp_expert_bytes=rows[c.n_layers] or None, prefetch=prefetch)
     plan = _budget.plan_ram(**kw)

@@ -1,0 +1,187 @@
+"""Expert tiers end to end: every cache, pin, prefetch and I/O setting computes exactly the same
+tokens; pins, autopin, the RAM budget and the stats do what they say."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from colibri import model_init, tiers, usage
+from colibri.convert import ConvertOptions, convert
+from conftest import DATA
+
+ROOT = DATA.parent.parent
+
+
+@pytest.fixture(scope="module")
+def int4(tmp_path_factory):
+    """tiny_dsa in the int4 container (experts read with one pread each)."""
+    dst = tmp_path_factory.mktemp("dsa_int4")
+    convert(DATA / "tiny_dsa", dst, ConvertOptions(expert_bits=4, dense_bits=4, io_bits=8), verbose=False)
+    return dst
+
+
+def decode(path, n=20, **kw):
+    """Prefill 12 tokens, then n greedy steps: (tokens, logits of every step, model)."""
+    m = model_init(path, **kw)
+    ref = json.loads((DATA / "tiny_dsa" / "ref.json").read_text())
+    ids = list(ref["prompt_ids"])
+    m.kv_alloc(len(ids) + n + 1)
+    logits = [m.step(ids, 0)]
+    out = []
+    for i in range(n):
+        t = int(np.argmax(logits[-1]))
+        out.append(t)
+        logits.append(m.step([t], len(ids) + i))
+    m.cache.wait_prefetch()
+    return out, np.stack(logits), m
+
+
+def colibri(*args, env=None):
+    e = dict(os.environ, OMP_NUM_THREADS="2", **(env or {}))
+    p = subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
+                       env=e, timeout=300, cwd=ROOT)
+    return p
+
+
+SETTINGS = {
+    "all cached": dict(),
+    "1 cached, prefetch": dict(cache_experts=1),
+    "2 cached, no prefetch": dict(cache_experts=2, prefetch=False),
+    "1 cached, 1 reader": dict(cache_experts=1, io_threads=1),
+    "3 cached, 8 readers": dict(cache_experts=3, io_threads=8),
+}
+
+
+def test_every_tier_setting_is_bit_identical(int4):
+    base_tokens, base_logits, _ = decode(int4)
+    for name, kw in SETTINGS.items():
+        tokens, logits, m = decode(int4, **kw)
+        assert tokens == base_tokens, name
+        assert np.array_equal(logits, base_logits), name
+        if kw.get("cache_experts"):
+            assert m.expert_misses > 0 and m.bytes_read > 0, name
+
+
+def test_prefetch_loads_into_the_cache_and_counts_recall(int4):
+    _, _, m = decode(int4, cache_experts=2)
+    s = m.cache.stats
+    assert m.pilot and s["prefetch_issued"] > 0 and s["prefetch_loaded"] > 0
+    assert 0.0 < s["prefetch_recall"] <= 1.0 and s["lookahead_true"] > 0
+    assert s["prefetch_loaded"] == s["prefetch_used"] + s["prefetch_dropped"] + s["prefetch_wasted"] + s["prefetch_unused"]
+    _, _, off = decode(int4, cache_experts=2, prefetch=False)
+    assert not off.pilot and off.cache.stats["prefetch_issued"] == 0
+    # every expert cached: nothing to prefetch, the lookahead does not run
+    _, _, full = decode(int4)
+    assert not full.pilot and full.cache.stats["prefetch_issued"] == 0
+
+
+def test_direct_reads_are_exact_or_refused_clearly(int4):
+    base_tokens, base_logits, _ = decode(int4, n=6)
+    try:
+        tokens, logits, m = decode(int4, n=6, cache_experts=1, direct=True)
+    except Exception as e:               # a filesystem without O_DIRECT (tmpfs): a clear error
+        assert "O_DIRECT" in str(e) and "--direct" in str(e)
+        return
+    assert tokens == base_tokens and np.array_equal(logits, base_logits)
+    assert m.bytes_read > 0
+
+
+def test_pins_are_hits_and_exact(int4, tmp_path):
+    c = json.loads((DATA / "tiny_dsa" / "config.json").read_text())
+    moe = [i for i in range(c["num_hidden_layers"]) if i >= c.get("first_k_dense_replace", 0)]
+    stats = tmp_path / "stats.txt"
+    stats.write_text("".join(f"{layer} {e} {100 - e}\n" for layer in moe for e in range(4)))
+    m = model_init(int4, cache_experts=1)
+    t = tiers.configure(m, 64, requested=1, pin=str(stats), pin_gb=1.0, autopin=False)
+    assert t.pinned == 4 * len(moe) and t.pinned_bytes > 0
+    assert sorted(m.cache.pinned(moe[0])) == [0, 1, 2, 3]
+    base_tokens, _, _ = decode(int4)
+    m.kv_alloc(40)
+    ref = json.loads((DATA / "tiny_dsa" / "ref.json").read_text())
+    ids = list(ref["prompt_ids"])
+    logits = m.step(ids, 0)
+    out = []
+    for i in range(20):
+        out.append(int(np.argmax(logits)))
+        logits = m.step([out[-1]], len(ids) + i)
+    assert out == base_tokens
+    assert m.cache.stats["hits_pin"] > 0
+
+
+def test_ram_budget_sizes_the_cache_and_refuses_what_cannot_fit(int4):
+    m = model_init(int4)
+    big = tiers.configure(m, 64, requested=2, ram_gb=100, autopin=False)
+    assert big.plan.capacity == 2 and m.cache.capacity == 2
+    assert big.plan.projected_peak_bytes == sum(big.plan.components().values())
+    # auto sizing: every expert when they fit (lowering under a tight budget is covered by
+    # test_usage_budget's plan_ram tests)
+    full = tiers.configure(model_init(int4), 64, requested=0, ram_gb=100, autopin=False, runtime=0)
+    assert full.plan.capacity == full.plan.n_experts and full.plan.projected_peak_bytes <= full.plan.budget_bytes
+    with pytest.raises(ValueError, match="not enough RAM"):
+        tiers.configure(model_init(int4), 64, ram_gb=1e-6, autopin=False)
+
+
+def test_history_is_saved_and_autopins(int4, tmp_path):
+    env = {"COLIBRI_USAGE_DIR": str(tmp_path / "hist")}
+    ref = json.loads((DATA / "tiny_dsa" / "ref.json").read_text())
+    prompt = ",".join(map(str, ref["prompt_ids"]))
+    s1, s2 = tmp_path / "s1.json", tmp_path / "s2.json"
+    p = colibri("run", "--model", int4, "--prompt-ids", prompt, "-n", 16, "-t", 0, "--cache-experts", 2,
+                "--stats-json", s1, env=env)
+    assert p.returncode == 0, p.stderr
+    files = list((tmp_path / "hist").iterdir())
+    assert len(files) == 1
+    c = json.loads((DATA / "tiny_dsa" / "config.json").read_text())
+    counts, _ = usage.load_counts(files[0], c["num_hidden_layers"] + 1, c["n_routed_experts"])
+    assert counts.sum() > 0
+    # enough history for autopin (>= 5000 selections): the next run pins its hottest experts
+    usage.save_counts(files[0], counts * 1000)
+    p = colibri("run", "--model", int4, "--prompt-ids", prompt, "-n", 16, "-t", 0, "--cache-experts", 2,
+                "--stats-json", s2, env=env)
+    assert p.returncode == 0, p.stderr
+    a, b = json.loads(s1.read_text()), json.loads(s2.read_text())
+    assert b["pinned_experts"] > 0 and b["hits_pin"] > 0 and "[PIN]" in p.stderr
+    assert a["tokens"] == b["tokens"]
+    p = colibri("run", "--model", int4, "--prompt-ids", prompt, "-n", 4, "-t", 0, "--cache-experts", 2,
+                "--no-autopin", "--stats-json", s2, env=env)
+    assert p.returncode == 0 and json.loads(s2.read_text())["pinned_experts"] == 0
+
+
+def test_stats_json_reports_tiers_disk_and_time(int4, tmp_path):
+    ref = json.loads((DATA / "tiny_dsa" / "ref.json").read_text())
+    stats = tmp_path / "s.json"
+    p = colibri("run", "--model", int4, "--prompt-ids", ",".join(map(str, ref["prompt_ids"])), "-n", 12, "-t", 0,
+                "--cache-experts", 1, "--stats-json", stats)
+    assert p.returncode == 0, p.stderr
+    s = json.loads(stats.read_text())
+    for key in ("read_gb_s", "prefetch_recall", "hit_rate", "hits_pin", "hits_lru", "misses", "prefetch_wasted",
+                "time_disk_wait_s", "time_expert_matmul_s", "time_attention_s", "time_other_s",
+                "ram_budget_bytes", "projected_peak_bytes", "cache_experts"):
+        assert key in s, key
+    assert s["read_gb_s"] > 0 and 0 <= s["hit_rate"] <= 1 and 0 <= s["prefetch_recall"] <= 1
+    assert s["cache_experts"] == 1 and s["bytes_read"] > 0
+    assert "prefetch recall" in p.stderr and "disk wait" in p.stderr and "[RAM]" in p.stderr
+
+
+def test_peak_rss_stays_under_the_budget(int4, tmp_path):
+    ref = json.loads((DATA / "tiny_dsa" / "ref.json").read_text())
+    stats = tmp_path / "s.json"
+    args = ["run", "--model", int4, "--prompt-ids", ",".join(map(str, ref["prompt_ids"])), "-n", 12, "-t", 0,
+            "--stats-json", stats]
+    p = colibri(*args, "--ram", 100)
+    plan_peak = json.loads(stats.read_text())["projected_peak_bytes"]
+    budget = plan_peak * 1.05
+    p = colibri(*args, "--ram", budget / 1e9)
+    assert p.returncode == 0, p.stderr
+    s = json.loads(stats.read_text())
+    assert s["peak_rss_bytes"] <= s["ram_budget_bytes"], (s["peak_rss_bytes"], s["ram_budget_bytes"])
+
+
+def test_tier_options_bad_input():
+    p = colibri("run", "--model", DATA / "tiny_dsa", "--prompt-ids", "1,2", "--io-threads", 0)
+    assert p.returncode != 0 and "--io-threads" in p.stderr
+    p = colibri("run", "--model", DATA / "tiny_dsa", "--prompt-ids", "1,2", "--pin", "/nonexistent/stats")
+    assert p.returncode != 0 and "/nonexistent/stats" in p.stderr
