@@ -1385,7 +1385,7 @@ cdef class Model:
                 pred.add(rsel[s, k])
         pred = sorted(pred)
         self.cache.record_prediction(Nx.index, pred)
-        self.cache.prefetch(Nx.index, pred)
+        self.cache.prefetch(Nx.index, pred, protect=pred)
 
     def layers_forward(self, float[:, ::1] x, int S, int pos_base):
         for L in self.layers:
@@ -1947,6 +1947,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.cache = ExpertCache(m.expert_load, cfg.n_layers + 1, m.cache_experts, io_threads=io_threads,
                           prefetch=prefetch, n_experts=cfg.n_experts)
     m.pilot = bool(prefetch) and m.cache_experts < cfg.n_experts
+    m.cache.overshoot = cfg.topk            # within the RAM plan's per-call allowance
     m.reset_stats()
     return m
 

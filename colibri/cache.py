@@ -46,7 +46,8 @@ Every successful prefetch load (``prefetch_loaded``) ends in exactly one of thes
 
 So ``prefetch_loaded == prefetch_used + prefetch_dropped + prefetch_wasted + prefetch_unused``.
 ``prefetch_issued`` counts experts queued by ``prefetch()``; a queued expert that another path has
-loaded by the time the worker reaches it is skipped (``prefetch_skipped``), one that the bounded
+loaded by the time the worker reaches it, or that is still queued when a ``get()`` of its row starts
+(too late to help), is skipped (``prefetch_skipped``), one that the bounded
 queue pushed out is counted in ``prefetch_overflow``, one whose load raised in ``prefetch_errors``.
 """
 from __future__ import annotations
@@ -144,6 +145,10 @@ class ExpertCache:
         self.capacity = capacity
         self.io_threads = io_threads
         self.prefetch_enabled = bool(prefetch)
+        # Prefetched experts a row may hold beyond capacity when every older entry is protected
+        # (the engine protects the predicted set, so one prediction's loads do not evict each
+        # other); the next get() of the row trims it back.
+        self.overshoot = 0
         self.usage = np.zeros((n_rows, n_experts), np.int64)
 
         self._lock = threading.Lock()
@@ -254,8 +259,10 @@ class ExpertCache:
             return
         victims = self._victims(layer, len(lru) - self.capacity + 1, protect)
         if victims is None:
-            self._st["prefetch_dropped"] += 1
-            return
+            if len(lru) >= self.capacity + self.overshoot:
+                self._st["prefetch_dropped"] += 1
+                return
+            victims = []            # every entry is protected: hold it beyond capacity until a get() trims
         for v in victims:
             self._evict(layer, v)
         lru[eid] = _Entry(obj, prefetched=True)
@@ -353,6 +360,17 @@ class ExpertCache:
             row = self.usage[layer]
             for e in eids:
                 row[e] += 1
+            if self._queue:
+                # prefetches of this row still queued are now late: this call reads what it needs,
+                # and a later load would only displace experts (counted as skipped)
+                stale = [q for q in self._queue if q[0] == layer]
+                if stale:
+                    self._queue = collections.deque(q for q in self._queue if q[0] != layer)
+                    for q in stale:
+                        self._queued.discard((q[0], q[1]))
+                    st["prefetch_skipped"] += len(stale)
+                    if not self._queue:
+                        self._cond.notify_all()
             pred = self._pred.pop(layer, None)
             if pred is not None:
                 st["lookahead_true"] += len(distinct)

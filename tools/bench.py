@@ -571,6 +571,15 @@ def render_report(res: dict) -> str:
             lines.append("")
             lines.append(f"numpy copy: {bw['gbs_1thread']:.2f} GB/s with 1 thread, "
                          f"{bw['gbs_2threads']:.2f} GB/s with 2 threads.")
+    disk = res.get("disk")
+    if disk and disk.get("best_gbs"):
+        lines.append("")
+        got = [(r.get("cached"), r.get("read_gb_s")) for r in rows
+               if r.get("engine") == "colibri" and "disk" in str(r.get("cached")) and r.get("read_gb_s")]
+        lines.append(f"Disk: the container's file read at random with {disk['tool']}: "
+                     + ", ".join(f"{k} {v:.2f} GB/s" for k, v in disk["gbs"].items())
+                     + "".join(f"; colibri with {c} cached read its experts at {g:.2f} GB/s = "
+                               f"{100 * g / disk['best_gbs']:.0f}% of the disk's best" for c, g in got) + ".")
     dr = res.get("draft")
     if dr:
         lines.append("")
@@ -637,7 +646,7 @@ def dir_bytes(d: str, suffix: str = ".safetensors") -> int:
 
 
 def run_colibri(container: str, prompt: List[int], n_tokens: int, cache: int, threads: int,
-                runs: int, work: str, quiet_wait: float = 0.0, retries: int = 0) -> dict:
+                runs: int, work: str, quiet_wait: float = 0.0, retries: int = 0, extra=()) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     failure = []
 
@@ -648,7 +657,7 @@ def run_colibri(container: str, prompt: List[int], n_tokens: int, cache: int, th
         r = _run([sys.executable, "-m", "colibri", "run", "--model", container,
                   "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(n_tokens),
                   "--temperature", "0", "--cache-experts", str(cache), "--threads", str(threads),
-                  "--stats-json", stats, "--quiet"],
+                  "--no-autopin", "--stats-json", stats, "--quiet", *extra],
                  env=env, what=f"colibri cache={cache} {'warm-up' if i == 0 else f'run {i}'}")
         if r.returncode != 0 or not os.path.exists(stats):
             failure.append("colibri run: " + last_error_line(r.stderr + r.stdout))
@@ -674,7 +683,63 @@ def run_colibri(container: str, prompt: List[int], n_tokens: int, cache: int, th
     out["expert_hit_rate"] = samples[-1]["expert_hits"] / looks if looks else None
     out["expert_load_bytes_per_token"] = median(
         [s["bytes_read"] / max(s["forwards"], 1) for s in samples])
+    for key in ("read_gb_s", "hit_rate", "prefetch_recall"):
+        if key in samples[-1]:
+            out[key] = median([s[key] for s in samples])
     return out
+
+
+def measure_disk(container: str, work: str) -> dict:
+    """The disk's own best random-read rate on the container's file, with fio when installed
+    (1 MiB O_DIRECT reads, libaio, queue depth 1 and 8), else with 4 Python O_DIRECT readers."""
+    shards = sorted(os.path.join(container, n) for n in os.listdir(container) if n.endswith(".safetensors"))
+    target = max(shards, key=os.path.getsize)
+    out = {"file": target, "tool": None, "gbs": {}}
+    if shutil.which("fio"):
+        out["tool"] = "fio"
+        for qd in (1, 8):
+            r = _run(["fio", "--name=read", f"--filename={target}", "--readonly", "--rw=randread", "--bs=1M",
+                      "--direct=1", "--ioengine=libaio", f"--iodepth={qd}", "--runtime=5", "--time_based",
+                      "--output-format=json"], what=f"fio qd {qd}")
+            try:
+                out["gbs"][f"qd{qd}"] = json.loads(r.stdout)["jobs"][0]["read"]["bw_bytes"] / 1e9
+            except (ValueError, KeyError, IndexError):
+                out.setdefault("errors", []).append(last_error_line(r.stderr + r.stdout))
+    else:
+        out["tool"] = "python O_DIRECT, 4 readers"
+        out["gbs"]["4 readers"] = _python_direct_read_gbs(target)
+    out["best_gbs"] = max(out["gbs"].values()) if out["gbs"] else None
+    return out
+
+
+def _python_direct_read_gbs(path: str, seconds: float = 3.0, block: int = 1 << 20, readers: int = 4) -> float:
+    import mmap
+    import threading
+    size = os.path.getsize(path) // block * block
+    total = [0]
+    lock = threading.Lock()
+    stop = time.perf_counter() + seconds
+
+    def reader(seed):
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        buf = mmap.mmap(-1, block)
+        rng = __import__("random").Random(seed)
+        n = 0
+        try:
+            while time.perf_counter() < stop:
+                n += os.preadv(fd, [buf], rng.randrange(size // block) * block)
+        finally:
+            os.close(fd)
+        with lock:
+            total[0] += n
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=reader, args=(i,)) for i in range(readers)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return total[0] / (time.perf_counter() - t0) / 1e9
 
 
 def run_draft_check(model_dir: str, work: str, prompt: List[int], args) -> dict:
@@ -1105,20 +1170,25 @@ def run_bench(args) -> dict:
     rows: List[dict] = []
     int4 = os.path.join(work, "int4")
     err = ensure_int4(model_dir, int4)
-    for cache, ref in ((0, True), (4, False)):
-        row = {"engine": "colibri", "weights": "int4 (io int8)", "cached": "all" if cache == 0 else str(cache),
-               "ref": ref}
+    # every expert cached; 4 per layer over the OS page cache; 4 per layer with true disk reads
+    for cache, ref, extra, label in ((0, True, (), "all"), (4, False, (), "4 (page cache)"),
+                                     (4, False, ("--direct",), "4 (disk, O_DIRECT)")):
+        row = {"engine": "colibri", "weights": "int4 (io int8)", "cached": label, "ref": ref}
         if err:
             row["error"] = err
         else:
             row["size_bytes"] = dir_bytes(int4)
             row.update(run_colibri(int4, prompt, args.tokens, cache, args.threads, args.runs, work,
-                                   args.quiet_wait, args.retries))
+                                   args.quiet_wait, args.retries, extra))
             if not row.get("error") and row.get("decode_tokens", args.tokens) < args.tokens:
                 row["note"] = f"stopped at EOS after {row['decode_tokens']} tokens"
-            elif not row.get("error") and row.get("expert_hit_rate") is not None:
-                row["note"] = f"expert hit rate {100 * row['expert_hit_rate']:.0f}%"
+            elif not row.get("error") and row.get("hit_rate") is not None:
+                row["note"] = (f"expert hit rate {100 * row['hit_rate']:.0f}%"
+                               + (f", prefetch recall {100 * row['prefetch_recall']:.0f}%, reads "
+                                  f"{row['read_gb_s']:.2f} GB/s" if cache else ""))
         rows.append(row)
+    if not err:
+        res["disk"] = measure_disk(int4, work)
     if not err:
         try:
             res["bytes_per_token"] = weight_bytes_per_token(int4, ctx_len=args.prompt_len + args.tokens)
