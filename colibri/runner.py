@@ -143,6 +143,8 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
     }
     stats.update(policy.stats())
     stats.update(tier_stats(model, tiers, t_prefill + t_decode))
+    from . import WAIT_POLICY
+    stats["omp_wait_policy"] = WAIT_POLICY
     if not args.quiet:
         print(f"---\nprefill {len(ids)} tok in {t_prefill:.3f}s ({len(ids) / max(t_prefill, 1e-9):.1f} tok/s) | "
               f"decode {n_dec} tok in {t_decode:.3f}s ({stats['decode_tok_s']:.1f} tok/s) | "

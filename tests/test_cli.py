@@ -145,3 +145,20 @@ def test_run_records_a_routing_trace(tmp_path):
         assert 1 <= len(c["e"]) <= min(c["s"] * head["topk"], head["n_experts"])
     assert sum(len(c["e"]) for c in calls) == s["expert_hits"] + s["expert_misses"]
     assert len({(c["l"], e) for c in calls for e in c["e"]}) == s["expert_misses"]
+
+
+@pytest.mark.parametrize("env,want", [({"COLIBRI_SPIN": "off"}, "passive"), ({"COLIBRI_SPIN": "on"}, "spin 10000"),
+                                      ({"OMP_WAIT_POLICY": "active"}, "active"),
+                                      ({"COLIBRI_SPIN": "on", "GOMP_SPINCOUNT": "77"}, "spin 77")])
+def test_openmp_wait_policy(env, want):
+    """Threads spin (bounded) only when asked or when the CPUs are idle at start-up; a policy set by
+    the user wins. The choice is made before the extension loads libgomp."""
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "COLIBRI_SPIN")}
+    code = "import os, colibri; print(colibri.WAIT_POLICY, os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(base, **env),
+                       cwd=DATA.parent.parent, timeout=120)
+    assert p.returncode == 0, p.stderr
+    policy = p.stdout.split()
+    assert " ".join(policy[:2] if want.startswith("spin") else policy[:1]) == want
+    if want == "passive":
+        assert policy[1] == "passive"
