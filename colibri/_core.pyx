@@ -651,7 +651,6 @@ cdef class Expert:
     cdef public int eid
     cdef public QT gate, up, down
     cdef public object slab
-    cdef public long long used
     cdef public long long nbytes
 
 
@@ -742,7 +741,7 @@ cdef class Model:
     # Residual stream (before the final norm) of the last forward: all rows, and the last row
     cdef public object h_all, hlast
     cdef public object mtp_logits                 # draft logits of the last mtp_draft chain
-    # Expert cache: per layer {eid: Expert}; LRU by Expert.used
+    # Routed experts (colibri/cache.py)
     cdef public object cache                      # ExpertCache: pinned hot-store + per-layer LRU + prefetch
     cdef public bint pilot                        # router-lookahead prefetch of layer L+1's experts
     cdef public bint direct                       # O_DIRECT reads of expert payloads
