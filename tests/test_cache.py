@@ -1,36 +1,19 @@
 """colibri/cache.py: the expert store (pinned hot-store, per-layer LRU, parallel loads, prefetch).
 
-The module is loaded by file path: importing the ``colibri`` package goes through the editable
-install's loader, which rebuilds the compiled engine, and these tests need none of it. Loaders are
-fakes that record every call, can be held at a gate, delayed, or made to fail.
+Loaders are fakes that record every call, can be held at a gate, delayed, or made to fail (the
+engine is not involved).
 """
 import collections
 import concurrent.futures
-import importlib.util
 import random
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def load_module(name):
-    key = f"_colibri_{name}_under_test"
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, ROOT / "colibri" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[key] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-cache_mod = load_module("cache")
+from colibri import cache as cache_mod
 ExpertCache = cache_mod.ExpertCache
 T = 10          # seconds: any wait longer than this is a hang
 

@@ -1,33 +1,14 @@
 """colibri/usage.py (usage history, stats files, pin choice, autopin) and colibri/budget.py (RAM plan).
-
-Both modules are loaded by file path: importing the ``colibri`` package goes through the editable
-install's loader, which rebuilds the compiled engine, and these tests need none of it.
 """
 import hashlib
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def load_module(name):
-    key = f"_colibri_{name}_under_test"
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, ROOT / "colibri" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[key] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-usage = load_module("usage")
-budget = load_module("budget")
+from colibri import usage
+from colibri import budget
 GB = 1_000_000_000
 MB = 1_000_000
 
