@@ -81,6 +81,7 @@ def _find_installed_extension():
 _find_installed_extension()
 
 from .config import Config, ConfigError, load_config  # noqa: E402,F401
+from .api import LLM, Completion, Options, load  # noqa: E402,F401
 
 
 def model_init(path, **options):

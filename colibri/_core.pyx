@@ -1572,11 +1572,15 @@ cdef class Model:
         # draft the missing rows are absorbed in one batched pass, so its context is always exact.
         pending = {}
         if self.has_mtp and not policy.off:
-            if self.h_all is not None and len(self.h_all) == kv:      # the prefill's residual rows
-                pending = {p: self.h_all[p] for p in range(self.mtp_next, kv)}
-            elif self.mtp_next < kv - 1:
-                self.kv_start[self.cfg.n_layers] = -1      # unknown history: start the window afresh
-                self.mtp_next = kv - 1
+            # h_all holds the residual rows of the last forward: positions base .. kv-1
+            base = kv - len(self.h_all) if self.h_all is not None and len(self.h_all) <= kv else kv - 1
+            if self.mtp_next < base or self.mtp_next > kv:
+                # the hidden states of positions before this forward are gone (a reused prompt
+                # prefix): the MTP window starts afresh at the forward's first row
+                self.kv_start[self.cfg.n_layers] = -1
+                self.mtp_next = base
+            if self.h_all is not None and base < kv:
+                pending = {p: self.h_all[p - base] for p in range(self.mtp_next, kv)}
         while len(out) < n_new:
             nxt = sampler.pick_tok(logits, carry_ban)
             carry_ban = -1

@@ -1,0 +1,121 @@
+"""The Python API: colibri.load / Options / LLM.generate, stream, complete, chat."""
+import json
+
+import pytest
+
+import colibri
+from colibri import api
+from conftest import DATA
+
+
+@pytest.fixture(scope="module")
+def llm():
+    m = colibri.load(temperature=0)
+    yield m
+    m.close()
+
+
+def test_load_uses_the_embedded_model_and_options(llm):
+    from colibri.models import default_model_dir
+    assert llm.path == default_model_dir() and llm.tokenizer is not None
+    assert llm.options.temperature == 0 and llm.options.draft == "auto"
+    assert llm.context == min(llm.cfg.max_positions, 4096)
+
+
+def test_greedy_generate_matches_the_engine(llm):
+    ref = json.loads((DATA / "default_ref.json").read_text())["cli"]
+    # the reference continuation was made by transformers; the engine reproduces it (test_default_model)
+    assert llm.generate(ref["prompt"], max_tokens=ref["max_tokens"]) == ref["text"]
+    c = llm.complete(ref["prompt_ids"], max_tokens=ref["max_tokens"], draft=0)
+    assert c.token_ids == ref["ids"] and c.finish_reason == "length"
+    assert c.prompt_tokens == len(ref["prompt_ids"]) and c.completion_tokens == len(ref["ids"])
+
+
+def test_stream_yields_the_same_text_in_whole_characters(llm):
+    prompt = "def read_config(path):"
+    want = llm.generate(prompt, max_tokens=40)
+    pieces = list(llm.stream(prompt, max_tokens=40))
+    assert "".join(pieces) == want and len(pieces) > 1
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stream_closed_early_stops_the_generation(llm):
+    it = llm.stream("class Stack:", max_tokens=200)
+    first = next(it)
+    it.close()                                   # the worker is cancelled and joined
+    assert first
+    assert llm.generate("class Stack:", max_tokens=5)       # the model is free again
+
+
+def test_stop_strings_cut_the_text_and_are_never_streamed(llm):
+    prompt = "def fibonacci(n):"
+    full = llm.generate(prompt, max_tokens=40)
+    stop = full[10:16]
+    c = llm.complete(prompt, max_tokens=40, stop=[stop])
+    assert c.text == full[:full.index(stop)] and c.finish_reason == "stop"
+    streamed = "".join(llm.stream(prompt, max_tokens=40, stop=stop))
+    assert streamed == c.text
+
+
+def test_prompt_prefix_kv_is_reused(llm):
+    ids = llm.encode("import os\nimport sys\n\n\ndef main(")
+    a = llm.complete(ids, max_tokens=8)
+    b = llm.complete(ids + a.token_ids[:-1] + llm.encode(" x"), max_tokens=8)
+    assert b.prefill_tokens < b.prompt_tokens - 4            # only the new tokens were forwarded
+    cold = colibri.load(temperature=0)
+    assert cold.complete(ids + a.token_ids[:-1] + llm.encode(" x"), max_tokens=8).token_ids == b.token_ids
+    cold.close()
+
+
+def test_sampling_is_seeded(llm):
+    kw = dict(max_tokens=24, temperature=0.8, top_p=0.9, seed=11)
+    assert llm.generate("def f(x):", **kw) == llm.generate("def f(x):", **kw)
+
+
+def test_chat_renders_roles_and_answers(llm):
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "add two numbers"}]
+    text = llm.render_chat(msgs)
+    assert text == "<|system|>\nYou write Python.\n<|user|>\nadd two numbers\n<|assistant|>\n"
+    assert isinstance(llm.chat(msgs, max_tokens=8), str)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=10 ** 6), "context"), (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"), (dict(stop=[3]), "stop"), (dict(draft=99), "--draft"),
+])
+def test_bad_arguments_are_clear_errors(llm, kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        llm.complete("x", **kw)
+
+
+def test_bad_prompts_and_messages(llm):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.complete([10 ** 9])
+    with pytest.raises(ValueError, match="no tokens"):
+        llm.complete("")
+    with pytest.raises(ValueError, match="context"):
+        llm.complete("x " * 5000)
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"role": "robot", "content": "hi"}])
+    with pytest.raises(ValueError, match="non-empty list"):
+        llm.chat([])
+
+
+def test_options_from_the_environment():
+    o = api.Options.from_env({"COLI_CACHE_EXPERTS": "8", "COLI_PREFETCH": "0", "COLI_RAM_GB": "1.5",
+                              "COLI_DRAFT": "2"}, temperature=0.1)
+    assert (o.cache_experts, o.prefetch, o.ram_gb, o.draft, o.temperature) == (8, False, 1.5, 2, 0.1)
+    with pytest.raises(ValueError, match="COLI_PREFETCH"):
+        api.Options.from_env({"COLI_PREFETCH": "maybe"})
+    with pytest.raises(ValueError, match="cache_experts"):
+        api.Options(cache_experts=-1)
+
+
+def test_a_model_without_tokenizer_takes_token_ids():
+    m = colibri.load(str(DATA / "tiny_dense"), temperature=0)
+    ref = json.loads((DATA / "tiny_dense" / "ref.json").read_text())
+    c = m.complete(ref["prompt_ids"], max_tokens=12, draft=0)
+    assert c.token_ids == ref["full_ids"][len(ref["prompt_ids"]):][:12]
+    with pytest.raises(ValueError, match="tokenizer"):
+        m.complete("text")
+    m.close()
