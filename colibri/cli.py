@@ -105,7 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logit-diff", type=float, default=None,
                    help="also fail when the largest |Δlogit| exceeds this")
     _engine_options(p)
+
+    h = sub.add_parser("chat", help="interactive conversation (streams answers, reopens after a restart)",
+                       description="Chat with a model: answers stream as they are generated; :reset, :more, "
+                                   ":stats. The conversation (KV cache + history) is saved after every turn "
+                                   "and reopened by the next `chat` without prefilling old turns.")
+    from . import chat
+    chat.add_arguments(h)
+    _serving_engine_options(h)
     return ap
+
+
+def _serving_engine_options(p):
+    """Engine options of the long-running commands (chat, serve)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--cache-experts", type=int, default=0, metavar="N",
+                   help="routed experts cached per layer (0 = as many as the RAM budget allows)")
+    g.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: all cores)")
+    _tier_options(p)
 
 
 def main(argv=None) -> int:
@@ -123,6 +140,9 @@ def main(argv=None) -> int:
             return convert.run(args) or 0
         if args.command == "parity":
             from .parity import run
+            return run(args)
+        if args.command == "chat":
+            from .chat import run
             return run(args)
     except (ConfigError, ValueError, OSError, RuntimeError) as e:
         print(f"colibri: error: {e}", file=sys.stderr)

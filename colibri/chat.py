@@ -1,0 +1,193 @@
+"""``python -m colibri chat``: an interactive conversation that streams its answers and survives
+restarts.
+
+The conversation is kept as token ids: each turn appends the tokens of the new user message (in the
+model's plain ``<|role|>`` chat format) to everything said so far, so the next prompt always starts
+with the previous one and the engine prefills only the new turn. After every turn the KV cache and
+the token history are saved next to the model (``colibri.kvstore``: crash-safe, checksummed); the
+next ``chat`` reopens them without prefilling old turns. A damaged file is reported and discarded.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from typing import List, Optional
+
+SESSION_FILE = ".colibri_chat.kv"
+STOPS = ["<|user|>", "<|system|>"]
+
+
+def session_path(model_dir: str, name: str = "default") -> str:
+    """Where the chat session of model_dir is saved: next to the model when its folder is
+    writable, else under ~/.cache/colibri/chat/ (COLIBRI_USAGE_DIR, used by the tests, wins)."""
+    model_dir = os.path.abspath(model_dir)
+    suffix = "" if name == "default" else f".{name}"
+    forced = os.environ.get("COLIBRI_USAGE_DIR", "")
+    if not forced and os.path.isdir(model_dir) and os.access(model_dir, os.W_OK | os.X_OK):
+        return os.path.join(model_dir, SESSION_FILE + suffix)
+    base = forced or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "colibri", "chat")
+    os.makedirs(base, exist_ok=True)
+    digest = hashlib.sha256(model_dir.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return os.path.join(base, digest + suffix + ".kv")
+
+
+class ChatSession:
+    """A conversation with one LLM: turns, continuation, reset and persistence."""
+
+    def __init__(self, llm, system: Optional[str] = None, path: Optional[str] = None, persist: bool = True):
+        self.llm = llm
+        self.system = system
+        self.path = path if path is not None else session_path(llm.path)
+        self.persist = persist
+        self.ids: List[int] = []            # the whole conversation, as token ids
+        self.messages: List[dict] = []
+        self.restored = False
+        self.notice = ""
+        if persist:
+            self._restore()
+        if not self.ids:
+            self._start()
+
+    def _start(self):
+        self.ids, self.messages = [], []
+        if self.system:
+            self.messages.append({"role": "system", "content": self.system})
+            self.ids = self.llm.encode(f"<|system|>\n{self.system}\n")
+
+    def _turn_ids(self, role: str, content: str) -> List[int]:
+        return self.llm.encode(f"<|{role}|>\n{content}\n")
+
+    def ask(self, text: str, on_text=None, **kw):
+        """One user turn: the answer streams to on_text; returns the Completion."""
+        ids = self.ids + self._turn_ids("user", text) + self.llm.encode("<|assistant|>\n")
+        kw.setdefault("stop", STOPS)
+        c = self.llm.complete(ids, on_text=on_text, **kw)
+        self.ids = ids + list(c.token_ids)
+        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": c.text}]
+        self.save()
+        return c
+
+    def more(self, on_text=None, **kw):
+        """Continue the last answer (after it stopped at max_tokens)."""
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise ValueError("there is no answer to continue")
+        kw.setdefault("stop", STOPS)
+        c = self.llm.complete(self.ids, on_text=on_text, **kw)
+        self.ids = self.ids + list(c.token_ids)
+        self.messages[-1]["content"] += c.text
+        self.save()
+        return c
+
+    def reset(self):
+        self._start()
+        self.llm.history = []
+        if self.persist and os.path.exists(self.path):
+            os.remove(self.path)
+
+    def save(self):
+        if not self.persist:
+            return
+        from . import kvstore
+        # the KV rows cover llm.history (the last token of a turn is not forwarded yet)
+        kvstore.save_session(self.path, self.llm.model, list(self.llm.history),
+                             meta={"ids": self.ids, "messages": self.messages, "system": self.system})
+
+    def _restore(self):
+        from . import kvstore
+        try:
+            got = kvstore.load_session(self.path, self.llm.model)
+        except kvstore.SessionError as e:
+            self.notice = f"saved conversation discarded: {e}"
+            try:
+                os.remove(self.path)
+            except OSError:
+                pass
+            return
+        if got is None:
+            return
+        history, meta = got
+        ids = [int(t) for t in meta.get("ids", [])]
+        if ids[:len(history)] != list(history) or meta.get("system") != self.system:
+            self.notice = f"saved conversation of {self.path} does not match (other system prompt?); starting anew"
+            self.llm.history = []
+            return
+        self.llm.history = list(history)
+        self.ids = ids
+        self.messages = list(meta.get("messages", []))
+        self.restored = True
+        n = sum(1 for m in self.messages if m["role"] == "user")
+        self.notice = f"reopened the conversation of {self.path} ({n} turns, {len(history)} tokens in the KV cache)"
+
+
+HELP = """commands: :reset (new conversation)  :more (continue the last answer)  :stats  :help  :quit"""
+
+
+def run(args) -> int:
+    from .api import Options, load
+    from .runner import peak_rss_bytes
+    kw = dict(cache_experts=args.cache_experts, threads=args.threads, ram_gb=args.ram, io_threads=args.io_threads,
+              prefetch=not args.no_prefetch, direct=args.direct, autopin=not args.no_autopin, pin=args.pin,
+              pin_gb=args.pin_gb, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+              draft=args.draft)
+    llm = load(args.model, Options.from_env(**kw))
+    session = ChatSession(llm, system=args.system, persist=not args.no_save)
+    out = sys.stdout
+    print(f"[colibri] {llm.path}: chat ({HELP})", file=sys.stderr)
+    if session.notice:
+        print(f"[colibri] {session.notice}", file=sys.stderr)
+    last = None
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            break
+        cmd = line.strip()
+        if not cmd:
+            continue
+        try:
+            if cmd in (":quit", ":exit", ":q"):
+                break
+            if cmd == ":help":
+                print(HELP, file=sys.stderr)
+                continue
+            if cmd == ":reset":
+                session.reset()
+                print("[colibri] new conversation", file=sys.stderr)
+                continue
+            if cmd == ":stats":
+                print(_stats_line(llm, last, peak_rss_bytes()), file=sys.stderr)
+                continue
+            write = lambda piece: (out.write(piece), out.flush())
+            if cmd == ":more":
+                last = session.more(on_text=write, seed=args.seed)
+            else:
+                last = session.ask(line, on_text=write, seed=args.seed)
+            out.write("\n")
+            print(_stats_line(llm, last, peak_rss_bytes()), file=sys.stderr)
+        except ValueError as e:
+            print(f"[colibri] {e}", file=sys.stderr)
+    llm.close()
+    return 0
+
+
+def _stats_line(llm, c, rss) -> str:
+    if c is None:
+        return f"[stats] no turn yet | peak RSS {rss / 2**30:.2f} GiB"
+    s = c.stats
+    return (f"[stats] {c.completion_tokens} tokens, {s['decode_tok_s']:.1f} tok/s, "
+            f"{s['tokens_per_forward']:.2f} tokens/forward, prefill {c.prefill_tokens} of {c.prompt_tokens} "
+            f"prompt tokens, expert hit {100 * s['hit_rate']:.0f}%, peak RSS {rss / 2**30:.2f} GiB"
+            + (" (stopped at max tokens: :more continues)" if c.finish_reason == "length" else ""))
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", "-m", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--max-tokens", "-n", type=int, default=256, help="tokens per answer (default 256)")
+    p.add_argument("--temperature", "-t", type=float, default=0.7, help="0 = greedy (default 0.7)")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling")
+    p.add_argument("--draft", default="auto", metavar="N|auto", help="speculative draft depth (default auto)")
+    p.add_argument("--no-save", action="store_true", help="do not save or reopen the conversation")
