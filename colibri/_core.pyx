@@ -1918,6 +1918,13 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.cfg = cfg
     m.path = path
     m.st = _st.SafeTensorsDir(path)
+    fp8 = next((n for n in m.st.names() if m.st.info(n).dtype.startswith("F8")), None)
+    if fp8 is not None:
+        # FP8 weights need their *_scale_inv block scales, which only the converter applies
+        info = m.st.info(fp8)
+        raise _st.ContainerError(f"{info.path}: tensor {fp8} is {info.dtype}: FP8 checkpoints run after "
+                                 "conversion ('python -m colibri convert SRC DST'), which applies their "
+                                 "block scales")
     m.idot = idot
     m.act_block = act_block
     m.absorb = absorb

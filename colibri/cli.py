@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     from . import chat
     chat.add_arguments(h)
     _serving_engine_options(h)
+
+    pl = sub.add_parser("plan", help="what will live in RAM and on disk, from the file headers alone",
+                        description="Resident and expert bytes, the projected RAM peak, the cache and pin "
+                                    "capacity for a RAM budget, and the disk bytes per cold token, computed "
+                                    "from safetensors headers (no weights are loaded).")
+    from . import plan
+    plan.add_arguments(pl)
     return ap
 
 
@@ -143,6 +150,9 @@ def main(argv=None) -> int:
             return run(args)
         if args.command == "chat":
             from .chat import run
+            return run(args)
+        if args.command == "plan":
+            from .plan import run
             return run(args)
     except (ConfigError, ValueError, OSError, RuntimeError) as e:
         print(f"colibri: error: {e}", file=sys.stderr)

@@ -22,8 +22,10 @@ PIN_GB_DEFAULT = 10.0
 
 
 def expert_bytes_by_row(model) -> list:
-    """Disk bytes of one expert (payloads + row scales) for every cache row: the main layers (0 for
-    dense ones) and the MTP row (0 without an MTP head)."""
+    """RAM bytes of one cached expert for every cache row: the main layers (0 for dense ones) and
+    the MTP row (0 without an MTP head). Container experts keep their stored size (payloads + row
+    scales); float checkpoint experts are held at the precision they are quantized to at load
+    time (``expert_bits``; the MTP row at least int8)."""
     c = model.cfg
     st = model.st
     out = []
@@ -33,11 +35,21 @@ def expert_bytes_by_row(model) -> list:
         if moe:
             for m in ("gate_proj", "up_proj", "down_proj"):
                 name = f"model.layers.{layer}.mlp.experts.0.{m}.weight"
-                n += st.info(name).nbytes
                 if name + ".qs" in st:
-                    n += st.info(name + ".qs").nbytes
+                    n += st.info(name).nbytes + st.info(name + ".qs").nbytes
+                else:
+                    O, I = st.info(name).shape
+                    bits = model.expert_bits if layer < c.n_layers else max(model.expert_bits, 8)
+                    n += _float_matrix_bytes(O, I, bits)
         out.append(n)
     return out
+
+
+def _float_matrix_bytes(O: int, I: int, bits: int) -> int:
+    """RAM of an [O, I] float matrix quantized at load time: f32, or int8/int4 rows + f32 scales."""
+    if bits >= 16:
+        return 4 * O * I
+    return O * (I if bits == 8 else (I + 1) // 2) + 4 * O
 
 
 def work_bytes_estimate(model, ctx: int) -> int:
@@ -128,6 +140,11 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
               expert_bytes=max(main), n_moe_rows=len(main),
               n_experts=c.n_experts, requested_capacity=requested, ram_bytes=_gb(ram_gb),
               mtp_expert_bytes=rows[c.n_layers] or None, prefetch=prefetch)
+    if ram_gb is None:
+        # the budget counts what this process holds already (the resident weights model_init
+        # loaded are no longer in MemAvailable, and the projection counts them)
+        avail = _budget.mem_available_bytes()
+        kw["mem_available"] = avail + current_rss_bytes() if avail > 0 else None
     plan = _budget.plan_ram(**kw)
     t = Tiers(plan=plan)
     if learn or autopin:

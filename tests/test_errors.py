@@ -182,3 +182,10 @@ def test_absurd_context_is_refused_before_allocating():
     m = model_init(SRC)
     with pytest.raises(ValueError, match="positions"):
         m.kv_alloc(2 ** 40)
+
+
+def test_fp8_checkpoint_is_refused_until_converted():
+    """FP8 weights are only correct with their block scales, which the converter applies: loading
+    an FP8 checkpoint directly is a clear error, never a silently wrong model."""
+    with pytest.raises(ContainerError, match="convert"):
+        model_init(DATA / "tiny_dense_fp8")

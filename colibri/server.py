@@ -1,0 +1,1068 @@
+"""``python -m colibri serve``: an OpenAI-compatible HTTP server over one model in the process.
+
+Endpoints (JSON in, JSON or Server-Sent Events out; errors in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``):
+
+- ``GET /v1/models``, ``GET /v1/models/{id}``: the one model served. Its id is the model folder's
+  name, or ``colibri-default`` for the embedded default model.
+- ``POST /v1/chat/completions``: ``messages`` (roles system/developer/user/assistant; content a
+  string or a list of text parts), rendered with the model's chat format (:meth:`LLM.render_chat`).
+- ``POST /v1/completions`` (legacy): ``prompt`` a string or a list of token ids (or a list holding
+  one of those).
+- ``GET /health`` (never needs the API key): see :meth:`Scheduler.snapshot` for the counters.
+
+Request fields: ``model`` (optional; when given it must be the served id, else 404
+``model_not_found``), ``max_tokens`` / ``max_completion_tokens`` (default: the engine option
+``max_tokens``, 256, clipped to the room left in the context), ``temperature`` (0..2, default the
+engine option, 0.7; 0 = greedy), ``top_p`` ((0, 1], default 0.9), ``seed``, ``stop`` (a string or
+a list of up to 16), ``stream``, ``stream_options.include_usage``, ``n`` (only 1), ``user``,
+``safety_identifier``, ``prompt_cache_key``, ``metadata``, ``store`` (accepted, no effect here).
+OpenAI fields this server cannot honour are refused with a 400 unless they carry their neutral
+value: tools / tool_choice / functions / function_call, logprobs / top_logprobs, n > 1,
+frequency / presence penalties, logit_bias, response_format other than text, audio, modalities
+other than text, prediction, reasoning_effort, echo, suffix, best_of > 1, non-text content parts.
+Unknown fields are refused too: nothing is silently ignored.
+
+Scheduling: the model generates for one request at a time. Requests that passed validation wait
+in a FIFO queue of at most ``max_queue`` entries; when it is full, or after waiting
+``queue_timeout`` seconds, they get a 429 (``type: rate_limit_exceeded``, code ``queue_full`` /
+``queue_timeout``, ``Retry-After: 1``), always before any byte of a stream. A client that goes away
+(detected by a failed write or, every 50 ms, by a peek at its socket) has its generation cancelled.
+Streams are written by a per-request writer thread, so a slow reader never holds the model.
+
+The LLM keeps the KV cache of the previous request: a prompt sharing a prefix with it (the next
+turn of a conversation) prefills only the new tokens. ``usage.prompt_tokens_details.cached_tokens``
+says how many prompt tokens came from that cache.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import hmac
+import json
+import math
+import os
+import queue
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+from urllib.parse import unquote, urlsplit
+
+__all__ = ["make_server", "OpenAIServer", "Scheduler", "add_arguments", "run", "main", "DEFAULT_MODEL_ID"]
+
+DEFAULT_MODEL_ID = "colibri-default"
+MAX_BODY = 4 << 20            # bytes of a request body
+MAX_STOPS = 16
+CLIENT_TIMEOUT = 60.0         # seconds a socket read or write may block (idle keep-alive included)
+WATCH_INTERVAL = 0.05         # seconds between two checks that a client is still connected
+_ROLE_STOPS = ("<|user|>", "<|system|>")      # a chat turn ends at the next role tag (as LLM.chat)
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+class ApiError(Exception):
+    """An HTTP error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None,
+                 code=None, headers=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _bad(message, param=None, code="invalid_value"):
+    return ApiError(400, message, param=param, code=code)
+
+
+def _unsupported(message, param, code="unsupported_parameter"):
+    return ApiError(400, message, param=param, code=code)
+
+
+# -- the queue -----------------------------------------------------------------------------------
+
+class _Ticket:
+    __slots__ = ("cancel",)
+
+    def __init__(self):
+        self.cancel = threading.Event()
+
+
+class Scheduler:
+    """One generation at a time; the others wait in a bounded FIFO queue.
+
+    Counters (``snapshot``), for the requests that passed validation and asked for the model
+    (requests refused earlier with a 4xx - auth, JSON, fields, context - are not counted):
+
+    - ``requests``: all of them, so at every moment
+      ``requests == active + queued + completed + rejected + errors``;
+    - ``active`` (0 or 1) generating now; ``queued`` waiting for their turn;
+    - ``completed``: got the model and the generation ended without a server error - normally
+      (stop, length) or cut short because the client went away (those are also counted in
+      ``cancelled``, a part of ``completed``);
+    - ``rejected``: answered 429 (queue full, waited longer than queue_timeout) or 503 (the
+      server is shutting down) without generating;
+    - ``errors``: got the model and the generation failed (answered 500, or 400 for an error only
+      the engine could see; an error event when the stream had started).
+    """
+
+    def __init__(self, max_queue: int = 4, queue_timeout: float = 30.0):
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        if not (isinstance(queue_timeout, (int, float)) and queue_timeout > 0 and math.isfinite(queue_timeout)):
+            raise ValueError(f"queue_timeout must be a number of seconds > 0, got {queue_timeout!r}")
+        self.max_queue, self.queue_timeout = max_queue, float(queue_timeout)
+        self._cond = threading.Condition()
+        self._waiting: "collections.deque[_Ticket]" = collections.deque()
+        self._active: Optional[_Ticket] = None
+        self.closed = False
+        self.requests = self.completed = self.rejected = self.errors = self.cancelled = 0
+
+    def acquire(self, ticket: _Ticket) -> float:
+        """Wait for the model; returns the seconds waited. Raises ApiError 429/503 when refused."""
+        t0 = time.monotonic()
+        with self._cond:
+            self.requests += 1
+            if self.closed:
+                self.rejected += 1
+                raise _closed_error()
+            if (self._active is not None or self._waiting) and len(self._waiting) >= self.max_queue:
+                self.rejected += 1
+                raise ApiError(429, f"the server is busy: {len(self._waiting)} request(s) already wait for the "
+                                    f"model (max_queue {self.max_queue}); retry later",
+                               type="rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"})
+            self._waiting.append(ticket)
+            deadline = t0 + self.queue_timeout
+            while True:
+                if self.closed:
+                    break
+                if self._active is None and self._waiting[0] is ticket:
+                    self._waiting.popleft()
+                    self._active = ticket
+                    self._cond.notify_all()
+                    return time.monotonic() - t0
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            self._waiting.remove(ticket)
+            self.rejected += 1
+            self._cond.notify_all()
+            if self.closed:
+                raise _closed_error()
+            raise ApiError(429, f"the request waited {self.queue_timeout:g} s for the model (queue_timeout) and "
+                                "was dropped; retry later",
+                           type="rate_limit_exceeded", code="queue_timeout", headers={"Retry-After": "1"})
+
+    def release(self, ticket: _Ticket, ok: bool, cancelled: bool = False):
+        with self._cond:
+            if self._active is not ticket:
+                raise RuntimeError("release of a request that does not hold the model")
+            self._active = None
+            if ok:
+                self.completed += 1
+                self.cancelled += bool(cancelled)
+            else:
+                self.errors += 1
+            self._cond.notify_all()
+
+    def close(self):
+        """Refuse new requests (503) and drop the waiting ones (503); the active one goes on."""
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def cancel_active(self):
+        with self._cond:
+            if self._active is not None:
+                self._active.cancel.set()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until nothing generates or waits; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._active is not None or self._waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def snapshot(self) -> dict:
+        with self._cond:
+            return {"active": int(self._active is not None), "queued": len(self._waiting),
+                    "completed": self.completed, "rejected": self.rejected, "errors": self.errors,
+                    "cancelled": self.cancelled, "requests": self.requests,
+                    "max_queue": self.max_queue, "queue_timeout": self.queue_timeout}
+
+
+def _closed_error():
+    return ApiError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
+
+
+# -- request validation --------------------------------------------------------------------------
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+                "stop", "stream", "stream_options", "n", "user", "safety_identifier", "prompt_cache_key",
+                "metadata", "store", "service_tier",
+                # refused unless neutral
+                "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "logprobs",
+                "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias", "response_format",
+                "modalities", "audio", "prediction", "reasoning_effort", "web_search_options", "verbosity"}
+_COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
+                      "stream_options", "n", "user", "safety_identifier", "prompt_cache_key",
+                      # refused unless neutral
+                      "logprobs", "echo", "suffix", "best_of", "frequency_penalty", "presence_penalty",
+                      "logit_bias"}
+
+
+def _check_neutral(body: dict):
+    """400 for the OpenAI fields whose non-neutral values this server cannot honour."""
+    def nonempty(name):
+        return body.get(name) not in (None, [], {})
+
+    for name in ("tools", "functions"):
+        if nonempty(name):
+            raise _unsupported(f"'{name}' is not supported: this server does not do tool or function calling",
+                               name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise _unsupported(f"'{name}' is not supported: this server does not do tool or function calling",
+                               name)
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls", "invalid_type")
+    if body.get("logprobs") not in (None, False):
+        raise _unsupported("'logprobs' is not supported: this server does not return log probabilities",
+                           "logprobs")
+    if body.get("top_logprobs") not in (None, 0):
+        raise _unsupported("'top_logprobs' is not supported: this server does not return log probabilities",
+                           "top_logprobs")
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = body.get(name)
+        if v is not None and (not _is_num(v) or v != 0):
+            raise _unsupported(f"'{name}' is not supported (only 0)", name)
+    if nonempty("logit_bias"):
+        raise _unsupported("'logit_bias' is not supported", "logit_bias")
+    rf = body.get("response_format")
+    if rf is not None and rf != {"type": "text"}:
+        raise _unsupported("'response_format' is not supported: only {\"type\": \"text\"} (no JSON mode or "
+                           "structured outputs)", "response_format")
+    if body.get("modalities") not in (None, ["text"]):
+        raise _unsupported("'modalities' is not supported: only [\"text\"]", "modalities")
+    for name in ("audio", "prediction", "web_search_options", "verbosity"):
+        if body.get(name) is not None:
+            raise _unsupported(f"'{name}' is not supported", name)
+    if body.get("reasoning_effort") is not None:
+        raise _unsupported("'reasoning_effort' is not supported by this server", "reasoning_effort")
+    if body.get("echo") not in (None, False):
+        raise _unsupported("'echo' is not supported", "echo")
+    if body.get("suffix") not in (None, ""):
+        raise _unsupported("'suffix' is not supported (no fill-in-the-middle)", "suffix")
+    if body.get("best_of") not in (None, 1):
+        raise _unsupported("'best_of' is not supported (only 1)", "best_of")
+    if body.get("store") not in (None, False, True):
+        raise _bad("'store' must be a boolean", "store", "invalid_type")
+    if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+        raise _bad("'metadata' must be an object", "metadata", "invalid_type")
+    if body.get("service_tier") not in (None, "auto", "default"):
+        raise _unsupported("'service_tier' is not supported (only auto/default)", "service_tier")
+    for name in ("user", "safety_identifier", "prompt_cache_key"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise _bad(f"'{name}' must be a string", name, "invalid_type")
+
+
+def _sampling(body: dict, defaults) -> dict:
+    """The common generation fields, validated (max_tokens is checked against the context later)."""
+    out = {}
+    n = body.get("n")
+    if n is not None:
+        if not _is_int(n) or n < 1:
+            raise _bad(f"'n' must be an integer >= 1, got {n!r}", "n", "invalid_type" if not _is_int(n) else None)
+        if n != 1:
+            raise _unsupported(f"'n' = {n} is not supported: this server generates one choice per request",
+                               "n", "unsupported_value")
+    mt, mct = body.get("max_tokens"), body.get("max_completion_tokens")
+    if mt is not None and mct is not None and mt != mct:
+        raise _bad("give 'max_tokens' or 'max_completion_tokens', not both with different values",
+                   "max_completion_tokens")
+    name, value = ("max_completion_tokens", mct) if mct is not None else ("max_tokens", mt)
+    if value is not None and (not _is_int(value) or value < 1):
+        raise _bad(f"'{name}' must be an integer >= 1, got {value!r}", name)
+    out["max_tokens"], out["max_tokens_param"] = value, name
+    t = body.get("temperature")
+    if t is not None and (not _is_num(t) or not 0 <= t <= 2):
+        raise _bad(f"'temperature' must be a number in [0, 2], got {t!r}", "temperature")
+    out["temperature"] = defaults.temperature if t is None else float(t)
+    p = body.get("top_p")
+    if p is not None and (not _is_num(p) or not 0 < p <= 1):
+        raise _bad(f"'top_p' must be a number in (0, 1], got {p!r}", "top_p")
+    out["top_p"] = defaults.top_p if p is None else float(p)
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not -(1 << 63) <= seed < (1 << 64)):
+        raise _bad(f"'seed' must be a 64-bit integer, got {seed!r}", "seed")
+    out["seed"] = seed
+    stop = body.get("stop")
+    if stop is None:
+        stops = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > MAX_STOPS:
+            raise _bad(f"'stop' holds {len(stop)} strings; at most {MAX_STOPS} are allowed", "stop")
+        stops = list(stop)
+    else:
+        raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    out["stop"] = [s for s in stops if s]
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise _bad(f"'stream' must be a boolean, got {stream!r}", "stream", "invalid_type")
+    out["stream"] = bool(stream)
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not out["stream"]:
+            raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if not isinstance(so, dict):
+            raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
+        extra = set(so) - {"include_usage"}
+        if extra:
+            raise _unsupported(f"stream_options.{sorted(extra)[0]} is not supported", "stream_options")
+        if so.get("include_usage") not in (None, True, False):
+            raise _bad("'stream_options.include_usage' must be a boolean", "stream_options", "invalid_type")
+        include_usage = bool(so.get("include_usage"))
+    out["include_usage"] = include_usage
+    return out
+
+
+_MESSAGE_KEYS = {"role", "content", "name", "refusal", "tool_calls", "function_call", "audio"}
+
+
+def _messages(messages) -> list:
+    """OpenAI chat messages -> [{role, content}] with string contents (developer -> system)."""
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects", "messages",
+                   "invalid_type" if not isinstance(messages, list) else "invalid_value")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"{where} must be an object with 'role' and 'content'", where, "invalid_type")
+        extra = set(m) - _MESSAGE_KEYS
+        if extra:
+            raise _unsupported(f"{where}.{sorted(extra)[0]} is not supported", f"{where}.{sorted(extra)[0]}")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise _bad(f"{where}.role must be a string", f"{where}.role", "invalid_type")
+        if role in ("tool", "function"):
+            raise _unsupported(f"{where}: role '{role}' is not supported: this server does not do tool or "
+                               "function calling", f"{where}.role", "unsupported_value")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise _bad(f"{where}.role must be system, developer, user or assistant, got {role!r}", f"{where}.role")
+        for key in ("tool_calls", "function_call", "audio"):
+            if m.get(key) not in (None, []):
+                raise _unsupported(f"{where}.{key} is not supported", f"{where}.{key}")
+        if m.get("refusal") is not None and not isinstance(m["refusal"], str):
+            raise _bad(f"{where}.refusal must be a string", f"{where}.refusal", "invalid_type")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise _bad(f"{where}.name must be a string", f"{where}.name", "invalid_type")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                pw = f"{where}.content[{j}]"
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise _bad(f"{pw} must be an object with a 'type'", pw, "invalid_type")
+                if part["type"] not in ("text", "input_text"):
+                    raise _unsupported(f"{pw}: content parts of type '{part['type']}' are not supported "
+                                       "(this model reads text only)", pw, "unsupported_content_type")
+                if not isinstance(part.get("text"), str):
+                    raise _bad(f"{pw}.text must be a string", f"{pw}.text", "invalid_type")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif not isinstance(content, str):
+            raise _bad(f"{where}.content must be a string or a list of text parts", f"{where}.content",
+                       "invalid_type")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+# -- the client connection -----------------------------------------------------------------------
+
+def _client_gone(sock) -> bool:
+    """True when the peer closed or reset the connection (a zero-byte peek on a readable socket).
+    A client that half-closes its sending side after the request counts as gone."""
+    try:
+        if hasattr(select, "poll"):
+            p = select.poll()
+            p.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+            events = p.poll(0)
+            if not events:
+                return False
+            if events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                return True
+        else:
+            r, _, x = select.select([sock], [], [sock], 0)
+            if x:
+                return True
+            if not r:
+                return False
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
+_END = object()
+
+
+class _Writer(threading.Thread):
+    """Writes a response's stream events to the client off the generation thread, and watches the
+    connection: on a failed write, or when the client has gone, sets ``cancel`` (and writes no
+    more). With no events it is the watchdog of a non-streamed request."""
+
+    def __init__(self, handler, cancel: threading.Event, chunked: bool):
+        super().__init__(name="colibri-sse", daemon=True)
+        self.handler, self.cancel, self.chunked = handler, cancel, chunked
+        self.items: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.failed = False
+
+    def put(self, data: bytes):
+        self.items.put(data)
+
+    def finish(self, timeout: float):
+        self.items.put(None)
+        self.join(timeout)
+        if self.is_alive():                 # a write blocked longer than the socket timeout allows
+            self.failed = True
+
+    def _fail(self):
+        self.failed = True
+        self.cancel.set()
+
+    def run(self):
+        sock, wfile = self.handler.connection, self.handler.wfile
+        last = time.monotonic()
+        while True:
+            try:
+                item = self.items.get(timeout=WATCH_INTERVAL)
+            except queue.Empty:
+                item = b""
+            if item is None:
+                return
+            if self.failed:
+                continue
+            try:
+                if item is _END:
+                    if self.chunked:
+                        wfile.write(b"0\r\n\r\n")
+                elif item:
+                    wfile.write(b"%x\r\n%s\r\n" % (len(item), item) if self.chunked else item)
+            except (OSError, ValueError):
+                self._fail()
+                continue
+            now = time.monotonic()
+            if now - last >= WATCH_INTERVAL:
+                last = now
+                if _client_gone(sock):
+                    self._fail()
+
+
+def _sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+# -- the HTTP handler ----------------------------------------------------------------------------
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "colibri"
+    sys_version = ""
+    disable_nagle_algorithm = True         # small SSE events go out at once
+
+    def setup(self):
+        self.timeout = self.server.client_timeout
+        super().setup()
+
+    def log_message(self, format, *args):
+        if self.server.access_log:
+            sys.stderr.write("[colibri serve] %s - %s\n" % (self.address_string(), format % args))
+
+    # every method goes through _dispatch
+    def do_GET(self):
+        self._dispatch("GET")
+
+    def do_POST(self):
+        self._dispatch("POST")
+
+    def do_PUT(self):
+        self._dispatch("PUT")
+
+    def do_DELETE(self):
+        self._dispatch("DELETE")
+
+    def do_PATCH(self):
+        self._dispatch("PATCH")
+
+    def do_OPTIONS(self):
+        self._dispatch("OPTIONS")
+
+    def do_HEAD(self):
+        self._dispatch("HEAD")
+
+    def send_error(self, code, message=None, explain=None):
+        """Errors raised by http.server itself (bad request line, headers) in OpenAI's shape."""
+        try:
+            short, _ = self.responses.get(code, ("error", ""))
+        except AttributeError:
+            short = "error"
+        self.close_connection = True
+        self._send_json(code, ApiError(code, message or short, code=None).body())
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _send_json(self, status: int, obj, headers=None):
+        data = json.dumps(obj, separators=(",", ":")).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def _dispatch(self, method: str):
+        self.request_id = "req_" + uuid.uuid4().hex
+        self._body_pending = True           # until the body has been read
+        try:
+            try:
+                self._route(method)
+            except ApiError:
+                raise
+            except (BrokenPipeError, ConnectionResetError, socket.timeout):
+                raise
+            except Exception as e:          # a bug: never let it take the server down
+                traceback.print_exc(file=sys.stderr)
+                raise ApiError(500, f"internal server error: {type(e).__name__}: {e}", type="server_error",
+                               code="internal_error") from None
+        except ApiError as e:
+            if self._body_pending:
+                self.close_connection = True
+            try:
+                self._send_json(e.status, e.body(), {"x-request-id": self.request_id, **e.headers})
+            except OSError:
+                self.close_connection = True
+        except (OSError, ValueError):        # the client went away while we wrote to it
+            self.close_connection = True
+
+    def _route(self, method: str):
+        path = urlsplit(self.path).path
+        if len(path) > 1:
+            path = path.rstrip("/")
+        srv = self.server
+        if path == "/health":
+            self._allow(method, ("GET", "HEAD"))
+            self._drain()
+            h = srv.scheduler.snapshot()
+            self._send_json(200, {"status": "stopping" if srv.scheduler.closed else "ok", "model": srv.model_id,
+                                  **h}, {"x-request-id": self.request_id})
+            return
+        if path == "/v1/models" or path.startswith("/v1/models/"):
+            self._allow(method, ("GET", "HEAD"))
+            self._auth()
+            self._drain()
+            card = {"id": srv.model_id, "object": "model", "created": srv.created, "owned_by": "colibri"}
+            if path == "/v1/models":
+                self._send_json(200, {"object": "list", "data": [card]}, {"x-request-id": self.request_id})
+                return
+            name = unquote(path[len("/v1/models/"):])
+            if name != srv.model_id:
+                raise ApiError(404, f"the model '{name}' does not exist; this server serves '{srv.model_id}'",
+                               param="model", code="model_not_found")
+            self._send_json(200, card, {"x-request-id": self.request_id})
+            return
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            self._allow(method, ("POST",))
+            self._auth()
+            body = self._json_body()
+            self._completion(body, chat=path == "/v1/chat/completions")
+            return
+        raise ApiError(404, f"Invalid URL ({method} {path}): this server answers /v1/models, "
+                            "/v1/chat/completions, /v1/completions and /health", code="not_found")
+
+    def _allow(self, method, allowed):
+        if method not in allowed:
+            raise ApiError(405, f"method {method} is not allowed on this path (allowed: {', '.join(allowed)})",
+                           code="method_not_allowed", headers={"Allow": ", ".join(allowed)})
+
+    def _auth(self):
+        key = self.server.api_key
+        if not key:
+            return
+        given = self.headers.get("Authorization")
+        if given is None:
+            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(given.encode("utf-8", "replace"), ("Bearer " + key).encode()):
+            raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def _read_body(self) -> bytes:
+        te = (self.headers.get("Transfer-Encoding") or "").lower()
+        if "chunked" in te:
+            chunks, total = [], 0
+            while True:
+                line = self.rfile.readline(1026)
+                try:
+                    size = int(line.split(b";")[0].strip(), 16)
+                except ValueError:
+                    raise ApiError(400, "malformed chunked request body", code="invalid_body") from None
+                if size == 0:
+                    while self.rfile.readline(8194) not in (b"\r\n", b"\n", b""):
+                        pass                 # trailers
+                    break
+                total += size
+                if total > MAX_BODY:
+                    raise ApiError(413, f"request body larger than {MAX_BODY} bytes", code="body_too_large")
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline(3)
+            self._body_pending = False
+            return b"".join(chunks)
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            self._body_pending = False       # HTTP/1.1 without length or chunking: no body
+            return b""
+        try:
+            length = int(raw)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            raise ApiError(400, f"invalid Content-Length {raw!r}", code="invalid_body") from None
+        if length > MAX_BODY:
+            raise ApiError(413, f"request body of {length} bytes is larger than the limit of {MAX_BODY}",
+                           code="body_too_large")
+        data = self.rfile.read(length)
+        if len(data) != length:
+            raise ApiError(400, "the request body is shorter than its Content-Length", code="invalid_body")
+        self._body_pending = False
+        return data
+
+    def _drain(self):
+        """Read and drop a body sent with a GET (keeps the connection usable)."""
+        if self.headers.get("Content-Length") or self.headers.get("Transfer-Encoding"):
+            self._read_body()
+        self._body_pending = False
+
+    def _json_body(self) -> dict:
+        data = self._read_body()
+        if not data.strip():
+            raise _bad("the request body is empty: send a JSON object", None, "invalid_json")
+
+        def no_constant(name):
+            raise ValueError(f"{name} is not valid JSON")
+        try:
+            body = json.loads(data.decode("utf-8"), parse_constant=no_constant)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise _bad(f"could not parse the JSON body: {e}", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise _bad(f"the JSON body must be an object, got {type(body).__name__}", None, "invalid_json")
+        model = body.get("model")
+        if model is not None:
+            if not isinstance(model, str):
+                raise _bad("'model' must be a string", "model", "invalid_type")
+            if model != self.server.model_id:
+                raise ApiError(404, f"the model '{model}' does not exist; this server serves "
+                                    f"'{self.server.model_id}'", param="model", code="model_not_found")
+        return body
+
+    # -- completions ------------------------------------------------------------------------------
+
+    def _completion(self, body: dict, chat: bool):
+        srv = self.server
+        llm = srv.llm
+        fields = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            raise _unsupported(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0],
+                               "unknown_parameter")
+        _check_neutral(body)
+        req = _sampling(body, llm.options)
+        if chat:
+            if "messages" not in body:
+                raise _bad("'messages' is required", "messages", "missing_required_parameter")
+            msgs = _messages(body["messages"])
+            try:
+                prompt = llm.render_chat(msgs)
+            except ValueError as e:
+                raise _bad(str(e), "messages") from None
+            ids = self._encode(prompt, "messages")
+            req["stop"] = list(_ROLE_STOPS) + req["stop"]
+        else:
+            if "prompt" not in body:
+                raise _bad("'prompt' is required", "prompt", "missing_required_parameter")
+            ids = self._prompt_ids(body["prompt"])
+        n = len(ids)
+        room = srv.context - n - srv.draft_room
+        limit = srv.context - srv.draft_room
+        if room < 1:
+            raise _bad(f"the prompt is {n} tokens long, which leaves no room in this model's context of "
+                       f"{srv.context} positions (a prompt may have at most {limit - 1} tokens)",
+                       "messages" if chat else "prompt", "context_length_exceeded")
+        max_tokens = req["max_tokens"]
+        if max_tokens is None:
+            max_tokens = min(llm.options.max_tokens, room)
+        elif max_tokens > room:
+            raise _bad(f"'{req['max_tokens_param']}' is too large: the prompt ({n} tokens) + {max_tokens} "
+                       f"completion tokens exceed this model's context of {srv.context} positions; at most "
+                       f"{room} completion tokens fit after this prompt", req["max_tokens_param"],
+                       "context_length_exceeded")
+        req["max_tokens"], req["ids"] = max_tokens, ids
+        self._generate(req, chat)
+
+    def _encode(self, text: str, param: str):
+        try:
+            ids = self.server.llm.encode(text)
+        except ValueError as e:
+            raise _bad(str(e), param) from None
+        if not ids:
+            raise _bad("the prompt encodes to no tokens", param)
+        return ids
+
+    def _prompt_ids(self, prompt):
+        vocab = self.server.llm.cfg.vocab
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]               # a batch of one
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            raise _unsupported("a batch of several prompts is not supported: send one prompt per request",
+                               "prompt", "unsupported_value")
+        if isinstance(prompt, str):
+            return self._encode(prompt, "prompt")
+        if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
+            raise _bad("'prompt' must be a string or a non-empty list of token ids", "prompt", "invalid_type")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise _bad(f"token id {bad[0]} in 'prompt' is outside the vocabulary [0, {vocab})", "prompt")
+        return list(prompt)
+
+    def _generate(self, req: dict, chat: bool):
+        srv = self.server
+        ticket = _Ticket()
+        waited = srv.scheduler.acquire(ticket)           # 429 / 503 raised here, before any header
+        cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        headers = {"x-request-id": self.request_id, "x-colibri-queue-wait-ms": str(int(waited * 1000))}
+        kw = dict(max_tokens=req["max_tokens"], temperature=req["temperature"], top_p=req["top_p"],
+                  seed=req["seed"], stop=req["stop"], cancel=ticket.cancel)
+        if req["stream"]:
+            self._stream(req, chat, ticket, cid, created, headers, kw)
+            return
+        ok, result, error = False, None, None
+        watch = _Writer(self, ticket.cancel, chunked=False)
+        try:
+            watch.start()
+            result = srv.llm.complete(req["ids"], **kw)
+            payload = _response(chat, cid, created, srv.model_id, result)
+            ok = True
+        except ValueError as e:                          # only the engine could tell
+            error = _bad(str(e))
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            error = ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
+                             code="internal_error")
+        finally:
+            watch.finish(1.0)
+            srv.scheduler.release(ticket, ok, cancelled=ticket.cancel.is_set() or watch.failed)
+        if error is not None:
+            raise error
+        self._send_json(200, payload, headers)
+
+    def _stream(self, req, chat, ticket, cid, created, headers, kw):
+        srv = self.server
+        chunked = self.request_version == "HTTP/1.1"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        usage_null = {"usage": None} if req["include_usage"] else {}
+
+        def chunk(piece=None, finish=None, role=False):
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({} if piece is None else {"content": piece})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            return _sse({"id": cid, "object": obj, "created": created, "model": srv.model_id,
+                         "choices": [choice], **usage_null})
+
+        writer = _Writer(self, ticket.cancel, chunked)
+        ok, result = False, None
+        try:
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("X-Accel-Buffering", "no")
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                if chunked:
+                    self.send_header("Transfer-Encoding", "chunked")
+                else:
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
+                self.end_headers()
+            except OSError:
+                ticket.cancel.set()
+                writer.failed = True
+            writer.start()
+            if chat:
+                writer.put(chunk(role=True))
+            try:
+                result = srv.llm.complete(req["ids"], on_text=lambda p: writer.put(chunk(p)), **kw)
+                ok = True
+            except Exception as e:
+                if not isinstance(e, ValueError):
+                    traceback.print_exc(file=sys.stderr)
+                err = ApiError(400, str(e)) if isinstance(e, ValueError) else \
+                    ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
+                             code="internal_error")
+                writer.put(_sse(err.body()))
+        finally:
+            srv.scheduler.release(ticket, ok, cancelled=ticket.cancel.is_set() or writer.failed)
+        if ok:
+            writer.put(chunk(finish=result.finish_reason))
+            if req["include_usage"]:
+                writer.put(_sse({"id": cid, "object": obj, "created": created, "model": srv.model_id,
+                                 "choices": [], "usage": _usage(result)}))
+            writer.put(b"data: [DONE]\n\n")
+        else:
+            self.close_connection = True
+        writer.put(_END)
+        writer.finish(srv.client_timeout + 5)
+        if writer.failed:
+            self.close_connection = True
+
+
+def _usage(c) -> dict:
+    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
+            "total_tokens": c.prompt_tokens + c.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": max(c.prompt_tokens - c.prefill_tokens, 0)}}
+
+
+def _response(chat: bool, cid: str, created: int, model: str, c) -> dict:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": c.text, "refusal": None},
+                  "logprobs": None, "finish_reason": c.finish_reason}
+    else:
+        choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+    return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": created,
+            "model": model, "choices": [choice], "usage": _usage(c)}
+
+
+# -- the server ----------------------------------------------------------------------------------
+
+class OpenAIServer(ThreadingHTTPServer):
+    """The HTTP server (one thread per connection). ``port`` is the bound port; ``shutdown()``
+    stops it: no new requests, waiting ones get 503, the running generation may finish within
+    ``grace`` seconds and is cancelled after that."""
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, llm, host, port, scheduler: Scheduler, api_key=None, model_id=None, access_log=False,
+                 client_timeout=CLIENT_TIMEOUT):
+        from .draft import MAX_AUTO_DEPTH, parse_draft
+        self.llm, self.scheduler, self.api_key = llm, scheduler, api_key or None
+        self.model_id = model_id or model_id_for(llm.path)
+        self.access_log, self.client_timeout = access_log, client_timeout
+        self.created = int(time.time())
+        self.context = llm.context
+        draft = parse_draft(llm.options.draft)
+        self.draft_room = (draft if isinstance(draft, int) else MAX_AUTO_DEPTH) + 2   # as LLM.complete checks
+        self._serving = threading.Event()
+        self._stopped = False
+        if ":" in host and not host.startswith("["):
+            self.address_family = socket.AF_INET6
+        super().__init__((host, port), _Handler)
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    def serve_forever(self, poll_interval=0.5):
+        self._serving.set()
+        try:
+            super().serve_forever(poll_interval)
+        finally:
+            self._serving.clear()
+
+    def shutdown(self, grace: float = 5.0):
+        if self._stopped:
+            return
+        self._stopped = True
+        self.scheduler.close()
+        if self._serving.is_set():
+            super().shutdown()
+        if not self.scheduler.wait_idle(grace):
+            self.scheduler.cancel_active()
+            self.scheduler.wait_idle(max(grace, 5.0))
+        self.server_close()
+
+    def handle_error(self, request, client_address):
+        # a connection-level failure outside our handler's own catch (e.g. reset while reading
+        # the request line): one line, not a traceback per dropped client
+        e = sys.exc_info()[1]
+        if not isinstance(e, (ConnectionError, socket.timeout)):
+            super().handle_error(request, client_address)
+
+
+def model_id_for(path) -> str:
+    from .models import DEFAULT_MODEL_DIR
+    path = os.path.abspath(os.fspath(path))
+    if os.path.realpath(path) == os.path.realpath(DEFAULT_MODEL_DIR):
+        return DEFAULT_MODEL_ID
+    return os.path.basename(os.path.normpath(path)) or path
+
+
+def make_server(llm, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 4, queue_timeout: float = 30.0,
+                api_key: Optional[str] = None, model_id: Optional[str] = None, access_log: bool = False,
+                client_timeout: float = CLIENT_TIMEOUT) -> OpenAIServer:
+    """An OpenAI-compatible server for ``llm`` bound to ``host:port`` (0 = a free port, see
+    ``.port``); run it with ``.serve_forever()`` (e.g. in a thread), stop it with ``.shutdown()``."""
+    if not _is_int(port) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {port!r}")
+    if api_key is not None and not isinstance(api_key, str):
+        raise ValueError("api_key must be a string")
+    return OpenAIServer(llm, host, port, Scheduler(max_queue, queue_timeout), api_key=api_key,
+                        model_id=model_id, access_log=access_log, client_timeout=client_timeout)
+
+
+# -- command line --------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser):
+    """The options of ``python -m colibri serve``. Engine options left out come from ``COLI_*``
+    environment variables (see colibri.api.Options), then the defaults."""
+    p.add_argument("--model", "-m", default=None,
+                   help="model directory (default: COLI_MODEL, else the embedded default model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    p.add_argument("--max-queue", type=int, default=4, metavar="N",
+                   help="requests that may wait for the model while it generates; more get HTTP 429 (default 4)")
+    p.add_argument("--queue-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a request may wait for the model before HTTP 429 (default 30)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (default: the COLI_API_KEY environment variable; "
+                        "none = no authentication)")
+    p.add_argument("--access-log", action="store_true", help="print one line per HTTP request on stderr")
+    g = p.add_argument_group("engine (defaults: COLI_* environment variables, else colibri.api.Options)")
+    g.add_argument("--cache-experts", type=int, default=None, metavar="N",
+                   help="routed experts cached per layer (0 = as many as the RAM budget allows)")
+    g.add_argument("--ram", type=float, default=None, metavar="GB", help="RAM budget in GB")
+    g.add_argument("--context", type=int, default=None, metavar="N",
+                   help="KV positions (0 = the model's context, at most 4096)")
+    g.add_argument("--threads", type=int, default=None, help="OpenMP threads (0 = all cores)")
+    g.add_argument("--io-threads", type=int, default=None, metavar="N", help="concurrent expert reads")
+    g.add_argument("--idot", type=int, default=None, choices=(0, 1, 2), help="int8/int4 matmul path")
+    g.add_argument("--pin", default=None, metavar="STATS", help="pin the most used experts of a stats file")
+    g.add_argument("--pin-gb", type=float, default=None, metavar="GB", help="hot-store size for --pin")
+    g.add_argument("--no-autopin", dest="autopin", action="store_false", default=None,
+                   help="do not pin experts from the saved routing history")
+    g.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None,
+                   help="turn off the router-lookahead prefetch")
+    g.add_argument("--direct", action="store_true", default=None, help="O_DIRECT expert reads")
+    g.add_argument("--draft", default=None, metavar="N|auto", help="speculative draft depth (default auto)")
+    g.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="completion tokens of a request that sets no max_tokens (default 256)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="temperature of a request that sets none (default 0.7)")
+    g.add_argument("--top-p", type=float, default=None, help="top_p of a request that sets none (default 0.9)")
+
+
+_OPTION_ARGS = {"cache_experts": "cache_experts", "ram": "ram_gb", "context": "context", "threads": "threads",
+                "io_threads": "io_threads", "idot": "idot", "pin": "pin", "pin_gb": "pin_gb",
+                "autopin": "autopin", "prefetch": "prefetch", "direct": "direct", "draft": "draft",
+                "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p"}
+
+
+def run(args) -> int:
+    """Load the model, serve until SIGINT/SIGTERM, shut down cleanly. Returns the exit status."""
+    from .api import load
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not (args.queue_timeout > 0 and math.isfinite(args.queue_timeout)):
+        raise ValueError(f"--queue-timeout must be > 0 seconds, got {args.queue_timeout}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("COLI_API_KEY")
+    api_key = api_key or None
+    options = {opt: getattr(args, name) for name, opt in _OPTION_ARGS.items() if getattr(args, name, None) is not None}
+    t0 = time.perf_counter()
+    llm = load(args.model, **options)
+    try:
+        server = make_server(llm, args.host, args.port, args.max_queue, args.queue_timeout, api_key,
+                             access_log=args.access_log)
+    except BaseException:
+        llm.close()
+        raise
+    stop = threading.Event()
+    received = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    th = threading.Thread(target=server.serve_forever, name="colibri-serve", daemon=True)
+    th.start()
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"[colibri serve] {server.model_id} ({llm.path}) loaded in {time.perf_counter() - t0:.2f}s, context "
+          f"{llm.context}; serving on http://{host}:{server.port}/v1 (max_queue {args.max_queue}, queue_timeout "
+          f"{args.queue_timeout:g}s, {'API key required' if api_key else 'no API key'})", file=sys.stderr, flush=True)
+    if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"[colibri serve] warning: listening on {args.host} without an API key: anyone who can reach "
+              "this port can use the model (set --api-key or COLI_API_KEY)", file=sys.stderr, flush=True)
+    try:
+        while not stop.wait(0.5):
+            if not th.is_alive():
+                break
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        print("[colibri serve] shutting down", file=sys.stderr, flush=True)
+        server.shutdown()
+        th.join(10)
+        if server.scheduler.wait_idle(0):
+            llm.close()
+        h = server.scheduler.snapshot()
+        print(f"[colibri serve] stopped: {h['completed']} completed, {h['rejected']} rejected, {h['errors']} errors",
+              file=sys.stderr, flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m colibri serve",
+                                description="OpenAI-compatible HTTP server over one colibri model.")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    from .config import ConfigError
+    try:
+        return run(args)
+    except (ConfigError, ValueError, OSError, RuntimeError) as e:
+        print(f"colibri: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
