@@ -44,7 +44,6 @@ of the file, the second normally from the page cache; no second copy of the sess
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os

@@ -15,13 +15,15 @@ Request fields: ``model`` (optional; when given it must be the served id, else 4
 ``model_not_found``), ``max_tokens`` / ``max_completion_tokens`` (default: the engine option
 ``max_tokens``, 256, clipped to the room left in the context), ``temperature`` (0..2, default the
 engine option, 0.7; 0 = greedy), ``top_p`` ((0, 1], default 0.9), ``seed``, ``stop`` (a string or
-a list of up to 16), ``stream``, ``stream_options.include_usage``, ``n`` (only 1), ``user``,
-``safety_identifier``, ``prompt_cache_key``, ``metadata``, ``store`` (accepted, no effect here).
-OpenAI fields this server cannot honour are refused with a 400 unless they carry their neutral
-value: tools / tool_choice / functions / function_call, logprobs / top_logprobs, n > 1,
-frequency / presence penalties, logit_bias, response_format other than text, audio, modalities
-other than text, prediction, reasoning_effort, echo, suffix, best_of > 1, non-text content parts.
-Unknown fields are refused too: nothing is silently ignored.
+a list of up to 16), ``stream``, ``stream_options.include_usage``, ``n`` (only 1); ``user``,
+``safety_identifier``, ``prompt_cache_key``, ``metadata``, ``service_tier`` (auto/default) and
+``parallel_tool_calls`` are accepted and have no effect here. OpenAI fields this server cannot
+honour are refused with a 400 unless they carry their neutral value (null, false, 0, "none", [],
+{"type": "text"}, ...): tools / tool_choice / functions / function_call, logprobs / top_logprobs,
+n > 1, frequency / presence penalties, logit_bias, response_format other than text, audio,
+modalities other than text, prediction, reasoning_effort, store, echo, suffix, best_of > 1,
+message ``tool_calls``, roles tool/function, non-text content parts. Unknown fields are refused
+too (``unknown_parameter``): nothing is silently ignored.
 
 Scheduling: the model generates for one request at a time. Requests that passed validation wait
 in a FIFO queue of at most ``max_queue`` entries; when it is full, or after waiting
@@ -91,10 +93,11 @@ def _unsupported(message, param, code="unsupported_parameter"):
 # -- the queue -----------------------------------------------------------------------------------
 
 class _Ticket:
-    __slots__ = ("cancel",)
+    __slots__ = ("cancel", "shutdown")
 
     def __init__(self):
         self.cancel = threading.Event()
+        self.shutdown = False               # cancelled by the server's shutdown, not by the client
 
 
 class Scheduler:
@@ -108,11 +111,14 @@ class Scheduler:
     - ``active`` (0 or 1) generating now; ``queued`` waiting for their turn;
     - ``completed``: got the model and the generation ended without a server error - normally
       (stop, length) or cut short because the client went away (those are also counted in
-      ``cancelled``, a part of ``completed``);
+      ``cancelled``, a part of ``completed``; such a client gets no answer, or a stream that
+      ends without ``[DONE]``);
     - ``rejected``: answered 429 (queue full, waited longer than queue_timeout) or 503 (the
       server is shutting down) without generating;
     - ``errors``: got the model and the generation failed (answered 500, or 400 for an error only
-      the engine could see; an error event when the stream had started).
+      the engine could see) or was cut short by the server's shutdown (answered 503); when the
+      stream had started, the error comes as a last ``data: {"error": ...}`` event, without
+      ``[DONE]``.
     """
 
     def __init__(self, max_queue: int = 4, queue_timeout: float = 30.0):
@@ -184,6 +190,7 @@ class Scheduler:
     def cancel_active(self):
         with self._cond:
             if self._active is not None:
+                self._active.shutdown = True
                 self._active.cancel.set()
 
     def wait_idle(self, timeout: float) -> bool:
@@ -233,25 +240,30 @@ _COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "
                       "logit_bias"}
 
 
+def _neutral(v, *allowed) -> bool:
+    """``v`` is one of ``allowed``, compared with its type (0 is not False, 1 is not True)."""
+    return any(v is a if a is None or isinstance(a, bool) else (type(v) is type(a) and v == a) for a in allowed)
+
+
 def _check_neutral(body: dict):
     """400 for the OpenAI fields whose non-neutral values this server cannot honour."""
     def nonempty(name):
-        return body.get(name) not in (None, [], {})
+        return not _neutral(body.get(name), None, [], {})
 
     for name in ("tools", "functions"):
         if nonempty(name):
             raise _unsupported(f"'{name}' is not supported: this server does not do tool or function calling",
                                name)
     for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
+        if not _neutral(body.get(name), None, "none"):
             raise _unsupported(f"'{name}' is not supported: this server does not do tool or function calling",
                                name)
-    if body.get("parallel_tool_calls") not in (None, True, False):
+    if not _neutral(body.get("parallel_tool_calls"), None, True, False):
         raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls", "invalid_type")
-    if body.get("logprobs") not in (None, False):
+    if not _neutral(body.get("logprobs"), None, False):
         raise _unsupported("'logprobs' is not supported: this server does not return log probabilities",
                            "logprobs")
-    if body.get("top_logprobs") not in (None, 0):
+    if not _neutral(body.get("top_logprobs"), None, 0):
         raise _unsupported("'top_logprobs' is not supported: this server does not return log probabilities",
                            "top_logprobs")
     for name in ("frequency_penalty", "presence_penalty"):
@@ -264,24 +276,24 @@ def _check_neutral(body: dict):
     if rf is not None and rf != {"type": "text"}:
         raise _unsupported("'response_format' is not supported: only {\"type\": \"text\"} (no JSON mode or "
                            "structured outputs)", "response_format")
-    if body.get("modalities") not in (None, ["text"]):
+    if not _neutral(body.get("modalities"), None, ["text"]):
         raise _unsupported("'modalities' is not supported: only [\"text\"]", "modalities")
     for name in ("audio", "prediction", "web_search_options", "verbosity"):
         if body.get(name) is not None:
             raise _unsupported(f"'{name}' is not supported", name)
     if body.get("reasoning_effort") is not None:
         raise _unsupported("'reasoning_effort' is not supported by this server", "reasoning_effort")
-    if body.get("echo") not in (None, False):
+    if not _neutral(body.get("echo"), None, False):
         raise _unsupported("'echo' is not supported", "echo")
-    if body.get("suffix") not in (None, ""):
+    if not _neutral(body.get("suffix"), None, ""):
         raise _unsupported("'suffix' is not supported (no fill-in-the-middle)", "suffix")
-    if body.get("best_of") not in (None, 1):
+    if not _neutral(body.get("best_of"), None, 1):
         raise _unsupported("'best_of' is not supported (only 1)", "best_of")
-    if body.get("store") not in (None, False, True):
-        raise _bad("'store' must be a boolean", "store", "invalid_type")
+    if not _neutral(body.get("store"), None, False):
+        raise _unsupported("'store' is not supported: this server stores nothing (only false)", "store")
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
         raise _bad("'metadata' must be an object", "metadata", "invalid_type")
-    if body.get("service_tier") not in (None, "auto", "default"):
+    if not _neutral(body.get("service_tier"), None, "auto", "default"):
         raise _unsupported("'service_tier' is not supported (only auto/default)", "service_tier")
     for name in ("user", "safety_identifier", "prompt_cache_key"):
         if body.get(name) is not None and not isinstance(body[name], str):
@@ -331,7 +343,7 @@ def _sampling(body: dict, defaults) -> dict:
         raise _bad("'stop' must be a string or a list of strings", "stop", "invalid_type")
     out["stop"] = [s for s in stops if s]
     stream = body.get("stream")
-    if stream not in (None, True, False):
+    if not _neutral(stream, None, True, False):
         raise _bad(f"'stream' must be a boolean, got {stream!r}", "stream", "invalid_type")
     out["stream"] = bool(stream)
     so = body.get("stream_options")
@@ -344,7 +356,7 @@ def _sampling(body: dict, defaults) -> dict:
         extra = set(so) - {"include_usage"}
         if extra:
             raise _unsupported(f"stream_options.{sorted(extra)[0]} is not supported", "stream_options")
-        if so.get("include_usage") not in (None, True, False):
+        if not _neutral(so.get("include_usage"), None, True, False):
             raise _bad("'stream_options.include_usage' must be a boolean", "stream_options", "invalid_type")
         include_usage = bool(so.get("include_usage"))
     out["include_usage"] = include_usage
@@ -457,8 +469,13 @@ class _Writer(threading.Thread):
 
     def run(self):
         sock, wfile = self.handler.connection, self.handler.wfile
-        last = time.monotonic()
+        last = -math.inf
         while True:
+            now = time.monotonic()
+            if not self.failed and now - last >= WATCH_INTERVAL:
+                last = now
+                if _client_gone(sock):
+                    self._fail()
             try:
                 item = self.items.get(timeout=WATCH_INTERVAL)
             except queue.Empty:
@@ -475,12 +492,6 @@ class _Writer(threading.Thread):
                     wfile.write(b"%x\r\n%s\r\n" % (len(item), item) if self.chunked else item)
             except (OSError, ValueError):
                 self._fail()
-                continue
-            now = time.monotonic()
-            if now - last >= WATCH_INTERVAL:
-                last = now
-                if _client_gone(sock):
-                    self._fail()
 
 
 def _sse(obj) -> bytes:
@@ -494,6 +505,9 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "colibri"
     sys_version = ""
     disable_nagle_algorithm = True         # small SSE events go out at once
+
+    def version_string(self):
+        return self.server_version
 
     def setup(self):
         self.timeout = self.server.client_timeout
@@ -681,6 +695,8 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(data.decode("utf-8"), parse_constant=no_constant)
         except (UnicodeDecodeError, ValueError) as e:
             raise _bad(f"could not parse the JSON body: {e}", None, "invalid_json") from None
+        except RecursionError:
+            raise _bad("could not parse the JSON body: nested too deeply", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise _bad(f"the JSON body must be an object, got {type(body).__name__}", None, "invalid_json")
         model = body.get("model")
@@ -764,22 +780,29 @@ class _Handler(BaseHTTPRequestHandler):
     def _generate(self, req: dict, chat: bool):
         srv = self.server
         ticket = _Ticket()
-        waited = srv.scheduler.acquire(ticket)           # 429 / 503 raised here, before any header
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        headers = {"x-request-id": self.request_id, "x-colibri-queue-wait-ms": str(int(waited * 1000))}
         kw = dict(max_tokens=req["max_tokens"], temperature=req["temperature"], top_p=req["top_p"],
                   seed=req["seed"], stop=req["stop"], cancel=ticket.cancel)
+        waited = srv.scheduler.acquire(ticket)           # 429 / 503 raised here, before any header
+        created = int(time.time())
+        headers = {"x-request-id": self.request_id, "x-colibri-queue-wait-ms": str(int(waited * 1000))}
+        if _client_gone(self.connection):                # left while it waited: nothing to generate
+            srv.scheduler.release(ticket, True, cancelled=True)
+            self.close_connection = True
+            return
         if req["stream"]:
             self._stream(req, chat, ticket, cid, created, headers, kw)
             return
-        ok, result, error = False, None, None
-        watch = _Writer(self, ticket.cancel, chunked=False)
+        ok, error = False, None
+        watch = _Writer(self, ticket.cancel, chunked=False)          # watches the connection
         try:
             watch.start()
             result = srv.llm.complete(req["ids"], **kw)
-            payload = _response(chat, cid, created, srv.model_id, result)
-            ok = True
+            if ticket.shutdown:
+                error = _closed_error()
+            else:
+                payload = _response(chat, cid, created, srv.model_id, result)
+                ok = True
         except ValueError as e:                          # only the engine could tell
             error = _bad(str(e))
         except Exception as e:
@@ -788,7 +811,10 @@ class _Handler(BaseHTTPRequestHandler):
                              code="internal_error")
         finally:
             watch.finish(1.0)
-            srv.scheduler.release(ticket, ok, cancelled=ticket.cancel.is_set() or watch.failed)
+            srv.scheduler.release(ticket, ok, cancelled=watch.failed)
+        if watch.failed:                # the client has gone (or half-closed): no truncated answer
+            self.close_connection = True
+            return
         if error is not None:
             raise error
         self._send_json(200, payload, headers)
@@ -832,7 +858,10 @@ class _Handler(BaseHTTPRequestHandler):
                 writer.put(chunk(role=True))
             try:
                 result = srv.llm.complete(req["ids"], on_text=lambda p: writer.put(chunk(p)), **kw)
-                ok = True
+                if ticket.shutdown:
+                    writer.put(_sse(_closed_error().body()))
+                else:
+                    ok = True
             except Exception as e:
                 if not isinstance(e, ValueError):
                     traceback.print_exc(file=sys.stderr)
@@ -841,7 +870,7 @@ class _Handler(BaseHTTPRequestHandler):
                              code="internal_error")
                 writer.put(_sse(err.body()))
         finally:
-            srv.scheduler.release(ticket, ok, cancelled=ticket.cancel.is_set() or writer.failed)
+            srv.scheduler.release(ticket, ok, cancelled=writer.failed)
         if ok:
             writer.put(chunk(finish=result.finish_reason))
             if req["include_usage"]:
@@ -901,7 +930,7 @@ class OpenAIServer(ThreadingHTTPServer):
     def port(self) -> int:
         return self.server_address[1]
 
-    def serve_forever(self, poll_interval=0.5):
+    def serve_forever(self, poll_interval=0.2):
         self._serving.set()
         try:
             super().serve_forever(poll_interval)

@@ -1,0 +1,63 @@
+"""``python -m colibri chat``: streamed turns, warm reopen after a restart (no prefill of old turns,
+byte-identical output), damaged session files discarded, :reset and :more."""
+import os
+import re
+import subprocess
+import sys
+
+from conftest import DATA
+
+ROOT = DATA.parent.parent
+TURNS = ["def add(a, b):", "class Stack:", "import os"]
+
+
+def chat(lines, hist, *extra):
+    env = dict(os.environ, OMP_NUM_THREADS="2", COLIBRI_USAGE_DIR=str(hist))
+    p = subprocess.run([sys.executable, "-m", "colibri", "chat", "--temperature", "0", "--max-tokens", "12", *extra],
+                       input="".join(line + "\n" for line in lines), capture_output=True, text=True, env=env,
+                       timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    return p
+
+
+def answers(p):
+    """The answers printed on stdout (each follows the '> ' input prompt and ends with a newline)."""
+    return [a for a in p.stdout.split("> ") if a.strip()]
+
+
+def prefills(p):
+    return [(int(a), int(b)) for a, b in re.findall(r"prefill (\d+) of (\d+) prompt tokens", p.stderr)]
+
+
+def test_restarted_conversation_equals_the_uninterrupted_one(tmp_path):
+    whole = chat(TURNS, tmp_path / "a")
+    parts = [chat([t], tmp_path / "b") for t in TURNS]
+    assert answers(whole) == [answers(p)[0] for p in parts]
+    assert len(answers(whole)) == 3
+    # every restart reopened the saved KV cache and prefilled only the new turn
+    for i, p in enumerate(parts[1:], 1):
+        assert f"reopened the conversation" in p.stderr and f"({i} turns" in p.stderr
+        (new, total), = prefills(p)
+        cached = int(re.search(r"(\d+) tokens in the KV cache", p.stderr).group(1))
+        assert total - new == cached > 20             # every old token came from the reopened KV cache
+    assert [n for n, _ in prefills(whole)][1:] == [prefills(p)[0][0] for p in parts[1:]]
+
+
+def test_damaged_session_is_reported_and_discarded(tmp_path):
+    chat(TURNS[:1], tmp_path)
+    (f,) = list(tmp_path.iterdir())
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    p = chat(TURNS[1:2], tmp_path)
+    assert "discarded" in p.stderr and "reopened" not in p.stderr
+    fresh = chat(TURNS[1:2], tmp_path / "fresh")
+    assert answers(p) == answers(fresh)              # the damaged history was not used
+
+
+def test_reset_more_and_stats(tmp_path):
+    p = chat([TURNS[0], ":more", ":stats", ":reset", TURNS[0]], tmp_path)
+    a = answers(p)
+    assert len(a) == 3 and a[0] == a[2]                # after :reset the same question gets the same answer
+    assert "new conversation" in p.stderr and p.stderr.count("[stats]") >= 4
+    assert chat([TURNS[0]], tmp_path, "--no-save").stdout        # --no-save reads nothing either
