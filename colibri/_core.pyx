@@ -1553,7 +1553,10 @@ cdef class Model:
         (MTP chain when the model has a head, else n-gram lookup) at the depth the policy chooses,
         verifies [token, drafts] in one batched forward and accepts the longest agreeing prefix:
         greedy by exact argmax; sampled by the rejection rule for a point-mass draft (accept with
-        probability p(draft), else resample from p with the draft banned), which is lossless.
+        probability p(draft), else resample from p with the draft banned), which is lossless. The
+        sampled test and the resample use the uniform of the token's sequence position (see
+        Sampler), so the emitted text equals plain sampling with the same seed; glm.c draws from a
+        sequential stream instead, which makes its sampled output depend on the drafts tested.
         Returns (emitted tokens, kv). Stops (not emitted) on a token in ``stops``. ``trace``, a list,
         receives (kv, token, drafts) for every iteration that drafted."""
         from .draft import DraftPolicy
@@ -1582,7 +1585,7 @@ cdef class Model:
             if self.h_all is not None and base < kv:
                 pending = {p: self.h_all[p - base] for p in range(self.mtp_next, kv)}
         while len(out) < n_new:
-            nxt = sampler.pick_tok(logits, carry_ban)
+            nxt = sampler.pick_tok(logits, carry_ban, len(ids))
             carry_ban = -1
             if nxt in stops:
                 break
@@ -1622,11 +1625,7 @@ cdef class Model:
             k = 0
             done = False
             while k < g and len(out) < n_new:
-                if greedy:
-                    ok = int(np.argmax(lo[k])) == drafts[k]
-                else:
-                    sampler.dist_build(lo[k])
-                    ok = sampler.rndu() < sampler.P[drafts[k]]
+                ok = sampler.accepts(lo[k], drafts[k], len(ids))
                 if not ok:
                     if not greedy:
                         carry_ban = drafts[k]
@@ -2030,9 +2029,14 @@ cdef int cmp_prob_desc(const void *a, const void *b) noexcept nogil:
 
 cdef class Sampler:
     """Temperature + nucleus (top-p) sampling with a seedable xorshift64 RNG; greedy when
-    temperature <= 0. ``P`` holds the distribution built by the last ``dist_build``."""
+    temperature <= 0. ``P`` holds the distribution built by the last ``dist_build``.
+
+    Generation draws each token from a uniform keyed by its position in the sequence (``u_at``),
+    through the inverse CDF of P: the token of a position depends on the seed, the position and
+    the logits only, never on how many draws speculation made before it, so a seeded generation
+    gives the same text whatever the drafts (and ``--draft auto`` decides by wall time)."""
     cdef public double temperature, top_p
-    cdef unsigned long long rng
+    cdef unsigned long long rng, base
     cdef public object P
     cdef object _pairs
 
@@ -2058,6 +2062,7 @@ cdef class Sampler:
             self.rng = (<unsigned long long>(int(seed) & 0xFFFFFFFFFFFFFFFF)) * golden + 1
         if self.rng == 0:
             self.rng = golden
+        self.base = self.rng
 
     cpdef double rndu(self):
         """xorshift64 (13, 7, 17) -> a double in [0, 1) from the top 53 bits."""
@@ -2079,18 +2084,37 @@ cdef class Sampler:
         with nogil:
             dist_build_c(&lg[0], V, self.temperature, self.top_p, &P[0], <ProbIdx *>&pairs[0])
 
-    def dist_sample(self, int ban=-1):
-        """Draw from P with token ``ban`` removed (its mass renormalized away)."""
+    cpdef double u_at(self, long long pos):
+        """The uniform of sequence position pos: splitmix64(seed state + pos·golden), top 53 bits."""
+        cdef unsigned long long z = self.base + (<unsigned long long>pos) * 0x9E3779B97F4A7C15ULL
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL
+        z ^= z >> 31
+        return <double>(z >> 11) * (1.0 / 9007199254740992.0)
+
+    def dist_sample(self, int ban=-1, pos=None):
+        """Draw from P with token ``ban`` removed (its mass renormalized away): from the sequential
+        RNG, or at position ``pos`` from u_at(pos). With a position, the draw is coupled to the
+        unbanned one: if the inverse CDF at u_at(pos) is not ``ban`` it is that token (which, given
+        that it is not ``ban``, is distributed as P with ``ban`` removed), so a rejected draft's
+        resample is the token plain sampling would have drawn there."""
         cdef float[::1] P = self.P
-        cdef int V = P.shape[0], i, last = -1
+        cdef int V = P.shape[0], i, last = -1, t
         cdef double z = 1.0, u, cum = 0.0
         if ban >= V:
             raise ValueError(f"banned token {ban} outside the vocabulary")
+        if pos is not None:
+            t = self._inverse_cdf(self.u_at(pos))
+            if t != ban:
+                return t
+            u = self.u_at(pos)              # cannot happen after a rejection; fall back below
+        else:
+            u = self.rndu()
         if ban >= 0:
             z = 1.0 - P[ban]
         if z < 1e-12:
             z = 1e-12
-        u = self.rndu() * z
+        u = u * z
         for i in range(V):
             if i == ban:
                 continue
@@ -2101,12 +2125,37 @@ cdef class Sampler:
                 return i
         return last if last >= 0 else 0
 
-    def pick_tok(self, logits, int ban=-1):
-        """Greedy argmax (first maximum) when temperature <= 0, else dist_build + dist_sample(ban)."""
+    cdef int _inverse_cdf(self, double u):
+        """The first token whose cumulative P (ascending id) reaches u."""
+        cdef float[::1] P = self.P
+        cdef int V = P.shape[0], i, last = 0
+        cdef double cum = 0.0
+        for i in range(V):
+            if P[i] > 0:
+                last = i
+                cum += P[i]
+                if cum >= u:
+                    return i
+        return last
+
+    def pick_tok(self, logits, int ban=-1, pos=None):
+        """Greedy argmax (first maximum) when temperature <= 0, else dist_build + dist_sample(ban)
+        (at position ``pos`` when given, see dist_sample)."""
         if self.temperature <= 0:
             return int(np.argmax(logits))
-        self.dist_build(logits)
-        return self.dist_sample(ban)
+        if logits is not None:              # None: P as the last dist_build left it
+            self.dist_build(logits)
+        return self.dist_sample(ban, pos)
+
+    def accepts(self, logits, int draft, long long pos):
+        """Whether a point-mass draft for position pos is accepted: P = dist_build(logits) and the
+        inverse CDF at u_at(pos) is the draft (probability P[draft], the Leviathan rule for a
+        point-mass draft); greedy: the argmax is the draft."""
+        if self.temperature <= 0:
+            return int(np.argmax(logits)) == draft
+        if logits is not None:              # None: P as the last dist_build left it
+            self.dist_build(logits)
+        return self._inverse_cdf(self.u_at(pos)) == draft
 
 
 cdef void dist_build_c(const float *lg, int V, double temp, double top_p, float *P,

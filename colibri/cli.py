@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "from safetensors headers (no weights are loaded).")
     from . import plan
     plan.add_arguments(pl)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                        description="OpenAI-compatible HTTP server over one model: /v1/models, "
+                                    "/v1/chat/completions, /v1/completions (JSON and SSE), /health; a bounded "
+                                    "FIFO queue answers 429 when full.")
+    from . import server
+    server.add_arguments(sv)
     return ap
 
 
@@ -153,6 +160,9 @@ def main(argv=None) -> int:
             return run(args)
         if args.command == "plan":
             from .plan import run
+            return run(args)
+        if args.command == "serve":
+            from .server import run
             return run(args)
     except (ConfigError, ValueError, OSError, RuntimeError) as e:
         print(f"colibri: error: {e}", file=sys.stderr)

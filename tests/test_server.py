@@ -3,16 +3,17 @@ localhost: the official ``openai`` client, raw HTTP/SSE, bad requests, the queue
 client disconnects, and ``serve`` as a process stopped with SIGTERM."""
 import contextlib
 import http.client
-import importlib.util
 import json
 import os
 import pathlib
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import types
 
 import openai
 import pytest
@@ -20,27 +21,13 @@ import pytest
 import colibri
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SERVER_PY = REPO / "colibri" / "server.py"
 MODEL = "colibri-default"
 CHAT = [{"role": "system", "content": "You write Python."},
         {"role": "user", "content": "Write a function that adds two numbers."}]
 
 
-def _load_server_module():
-    """``colibri.server``; from the source file when the installed package does not list it yet
-    (an editable meson install only maps the files meson.build names)."""
-    try:
-        from colibri import server
-        return server
-    except ImportError:
-        spec = importlib.util.spec_from_file_location("colibri.server", SERVER_PY)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["colibri.server"] = mod
-        spec.loader.exec_module(mod)
-        return mod
+from colibri import server as srv  # noqa: E402
 
-
-srv = _load_server_module()
 
 
 @pytest.fixture(scope="module")
@@ -536,42 +523,44 @@ def test_load_200_requests_from_8_clients(llm):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_serve_process_stops_cleanly_on_a_signal(tmp_path, sig):
-    script = (
-        "import importlib.util, sys\n"
-        "try:\n"
-        "    from colibri import server\n"
-        "except ImportError:\n"
-        f"    spec = importlib.util.spec_from_file_location('colibri.server', {str(SERVER_PY)!r})\n"
-        "    server = importlib.util.module_from_spec(spec); sys.modules['colibri.server'] = server\n"
-        "    spec.loader.exec_module(server)\n"
-        "sys.exit(server.main(sys.argv[1:]))\n")
     env = {**os.environ, "COLI_API_KEY": "k3y", "COLI_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, "-c", script, "--port", "0", "--max-queue", "2", "--max-tokens", "8"],
-                         cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-m", "colibri", "serve", "--port", "0", "--max-queue", "2",
+                          "--max-tokens", "8"],
+                         cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    lines = queue.Queue()                                   # stderr, read without blocking the test
+
+    def read_stderr():
+        for ln in iter(p.stderr.readline, ""):
+            lines.put(ln)
+        lines.put(None)
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     try:
         port, log = None, []
-        deadline = time.monotonic() + 60
-        while port is None and time.monotonic() < deadline:
-            line = p.stderr.readline()
-            if not line:
+        deadline = time.monotonic() + 120                   # an editable install may rebuild on import
+        while port is None:
+            try:
+                line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                line = None
+            if line is None:
                 break
             log.append(line)
             if "serving on http://127.0.0.1:" in line:
                 port = int(line.split("serving on http://127.0.0.1:")[1].split("/")[0])
         assert port is not None, "".join(log)
-
-        class S:
-            pass
-        s = S()
-        s.port = port
+        s = types.SimpleNamespace(port=port)
         assert call(s, "GET", "/health")[2]["model"] == MODEL
         assert call(s, "GET", "/v1/models")[0] == 401                   # the key came from COLI_API_KEY
         r = client(s, "k3y").completions.create(model=MODEL, prompt="import sys\n")
         assert r.usage.completion_tokens <= 8                           # --max-tokens is the default
         p.send_signal(sig)
         assert p.wait(30) == 0
-        rest = p.stderr.read()
-        assert "stopped: 1 completed, 0 rejected, 0 errors" in rest, rest
+        reader.join(10)
+        rest = []
+        while not lines.empty():
+            rest.append(lines.get() or "")
+        assert "stopped: 1 completed, 0 rejected, 0 errors" in "".join(rest), rest
     finally:
         if p.poll() is None:
             p.kill()

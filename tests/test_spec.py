@@ -145,18 +145,21 @@ def _gammaincc(a, x):
     return math.exp(-x + a * math.log(x) - math.lgamma(a)) * h
 
 
-def _accept_resample(sampler, draft, broken=False):
-    """One draw of the next token through spec_decode's accept/resample rule for a point-mass
-    draft: accept with probability p(draft), else resample from p with the draft banned.
+def _accept_resample(sampler, logits, draft, pos, broken=False):
+    """One draw of the token of position ``pos`` through spec_decode's own accept/resample calls
+    for a point-mass draft: ``accepts`` (the inverse CDF of p at the position's uniform is the
+    draft: probability p(draft)), else ``pick_tok`` with the draft banned through carry_ban.
     The broken rule accepts whenever an independent sample equals the draft and otherwise draws
-    again from p without banning the draft (so the draft is over-represented).
-    sampler.P holds p (dist_build of the verify logits, as spec_decode does)."""
+    again from p without banning the draft (so the draft is over-represented)."""
     if broken:
+        sampler.dist_build(logits)
         t = sampler.dist_sample()
         return draft if t == draft else sampler.dist_sample()
-    if sampler.rndu() < sampler.P[draft]:
+    if sampler.accepts(logits, draft, pos):
         return draft
-    return sampler.dist_sample(draft)
+    t = sampler.pick_tok(logits, draft, pos)     # (logits None: reuse P, built once by the caller)
+    assert t != draft
+    return t
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +182,8 @@ def test_sampled_acceptance_matches_target(next_logits, top_p, which):
     assert (p[draft] == 0) == (which == "impossible")
     n = 20000
     counts = np.zeros(VOCAB)
-    for _ in range(n):
-        counts[_accept_resample(s, int(draft))] += 1
+    for pos in range(n):
+        counts[_accept_resample(s, logits if pos == 0 else None, int(draft), pos)] += 1
     assert counts[p == 0].sum() == 0
     assert _chi2_pvalue(counts[p > 0], p[p > 0]) > 0.01
 
@@ -191,9 +194,23 @@ def test_broken_acceptance_rule_fails(next_logits):
     p = np.array(s.P, dtype=np.float64)
     draft = int(np.argmax(p))
     counts = np.zeros(VOCAB)
-    for _ in range(20000):
-        counts[_accept_resample(s, draft, broken=True)] += 1
+    for pos in range(20000):
+        counts[_accept_resample(s, next_logits, draft, pos, broken=True)] += 1
     assert _chi2_pvalue(counts[p > 0], p[p > 0]) < 0.01
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_sampled_output_does_not_depend_on_drafting(depth):
+    """Draws are keyed by sequence position and coupled to the draft test, so a seeded sampled
+    generation is the same text with drafts, without them, or with --draft auto (which decides by
+    wall time)."""
+    m = model_init(DATA / "tiny_mtp")
+    for seed, prompt in enumerate(_prompts(4, seed=9)):
+        plain, _ = decode(m, prompt, 40, 0, temperature=0.9, seed=seed, top_p=0.95)
+        spec, pol = decode(m, prompt, 40, depth, temperature=0.9, seed=seed, top_p=0.95)
+        auto, _ = decode(m, prompt, 40, "auto", temperature=0.9, seed=seed, top_p=0.95)
+        assert spec == plain == auto
+        assert pol.proposed > 0
 
 
 def test_sampled_spec_decode_runs_and_counts():
