@@ -319,12 +319,35 @@ class LLM:
             cancel.set()
             th.join()
 
+    # Chat format. GLM tokenizers (special tokens [gMASK], <sop>, <|user|>, <|assistant|>) get GLM-5's
+    # format, as colibrì's gateway renders it: [gMASK]<sop>, then <|system|>text, <|user|>text,
+    # <|assistant|><think></think>text, and <|assistant|><think></think> to start the answer (no
+    # thinking). Other tokenizers get a plain "<|role|>\ntext\n" format. A Jinja chat_template in
+    # tokenizer_config.json is used by render_chat when jinja2 is installed (it is not a dependency).
+
+    def is_glm_chat(self) -> bool:
+        tok = self.tokenizer
+        return tok is not None and all(tok.token_to_id(t) is not None
+                                       for t in ("[gMASK]", "<sop>", "<|user|>", "<|assistant|>"))
+
+    def chat_prefix(self) -> str:
+        return "[gMASK]<sop>" if self.is_glm_chat() else ""
+
+    def chat_message(self, role: str, content: str) -> str:
+        if self.is_glm_chat():
+            return ("<|assistant|><think></think>" + content.strip()) if role == "assistant" else f"<|{role}|>{content}"
+        return f"<|{role}|>\n{content}\n"
+
+    def chat_reply_start(self) -> str:
+        return "<|assistant|><think></think>" if self.is_glm_chat() else "<|assistant|>\n"
+
     def render_chat(self, messages) -> str:
         """The prompt text of a conversation ([{role, content}, ...]) in the model's chat format."""
         msgs = _check_messages(messages)
         if self.chat_template is not None:
             return self.chat_template.render(messages=msgs, add_generation_prompt=True)
-        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in msgs) + "<|assistant|>\n"
+        return (self.chat_prefix() + "".join(self.chat_message(m["role"], m["content"]) for m in msgs)
+                + self.chat_reply_start())
 
     def chat(self, messages, **kw) -> str:
         """The assistant's answer to a conversation; the turn ends at the next role tag."""

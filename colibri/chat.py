@@ -51,16 +51,16 @@ class ChatSession:
 
     def _start(self):
         self.ids, self.messages = [], []
+        head = self.llm.chat_prefix()
         if self.system:
             self.messages.append({"role": "system", "content": self.system})
-            self.ids = self.llm.encode(f"<|system|>\n{self.system}\n")
-
-    def _turn_ids(self, role: str, content: str) -> List[int]:
-        return self.llm.encode(f"<|{role}|>\n{content}\n")
+            head += self.llm.chat_message("system", self.system)
+        self.ids = self.llm.encode(head) if head else []
 
     def ask(self, text: str, on_text=None, **kw):
         """One user turn: the answer streams to on_text; returns the Completion."""
-        ids = self.ids + self._turn_ids("user", text) + self.llm.encode("<|assistant|>\n")
+        turn = self.llm.chat_message("user", text) + self.llm.chat_reply_start()
+        ids = self.ids + self.llm.encode(turn)
         kw.setdefault("stop", STOPS)
         c = self.llm.complete(ids, on_text=on_text, **kw)
         self.ids = ids + list(c.token_ids)

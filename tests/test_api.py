@@ -119,3 +119,17 @@ def test_a_model_without_tokenizer_takes_token_ids():
     with pytest.raises(ValueError, match="tokenizer"):
         m.complete("text")
     m.close()
+
+
+def test_glm_tokenizers_get_the_glm5_chat_format(llm, monkeypatch):
+    """A tokenizer with GLM's special tokens gets colibrì's GLM-5 format (no thinking)."""
+    special = {"[gMASK]": 1, "<sop>": 2, "<|user|>": 3, "<|assistant|>": 4}
+
+    class Tok:
+        def token_to_id(self, t):
+            return special.get(t)
+    monkeypatch.setattr(llm, "tokenizer", Tok())
+    text = llm.render_chat([{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": " yo "}, {"role": "user", "content": "again"}])
+    assert text == ("[gMASK]<sop><|system|>S<|user|>hi<|assistant|><think></think>yo<|user|>again"
+                    "<|assistant|><think></think>")
