@@ -1661,12 +1661,22 @@ cdef class Model:
         self._io.reset()
 
     def resident_bytes(self):
-        """Bytes of resident weights (embed, lm_head, attention, dense/shared MLP, indexer)."""
+        """Bytes of every resident weight: embeddings, lm_head, final norm, and per layer (the MTP
+        head's included) the attention and indexer projections, dense/shared MLP, router and its
+        bias, and the norm vectors; plus the MTP head's eh_proj and norms. Routed experts are not
+        resident (the expert cache holds them)."""
         tot = self.embed.nbytes + (0 if self.lm_head is self.embed else self.lm_head.nbytes)
-        for L in self.layers:
-            for W in (L.q_a, L.q_b, L.kv_a, L.kv_b, L.o_proj, L.gate, L.up, L.down, L.iwq, L.iwk, L.iwp):
+        tot += self.final_norm.nbytes
+        for L in list(self.layers) + ([self.mtp] if self.has_mtp else []):
+            for W in (L.q_a, L.q_b, L.kv_a, L.kv_b, L.o_proj, L.gate, L.up, L.down, L.iwq, L.iwk, L.iwp,
+                      L.router):
                 if W is not None:
                     tot += W.nbytes
+            for v in (L.in_ln, L.post_ln, L.q_a_ln, L.kv_a_ln, L.router_bias, L.ik_w, L.ik_b):
+                if v is not None:
+                    tot += v.nbytes
+        if self.has_mtp:
+            tot += self.eh_proj.nbytes + self.enorm.nbytes + self.hnorm.nbytes + self.mtp_norm.nbytes
         return tot
 
     def close(self):

@@ -6,10 +6,10 @@ The numbers are those the engine uses (or would get) when it runs the model:
 - **resident**: the weights ``model_init`` keeps in RAM. ``resident.engine_bytes`` is exactly what
   ``Model.resident_bytes()`` returns: the QT bytes (payload + 4-byte row scales, or 4·O·I for f32)
   of embed, lm_head (once when tied), and per layer q_a, q_b, kv_a, kv_b, o_proj, the dense MLP or
-  the shared experts, and the DSA indexer's wq_b, wk, weights_proj. It leaves out (``uncounted``):
-  the norm vectors (f32), the DSA indexer's k_norm weight and bias, the MoE router (kept f32
-  [n_experts, hidden]) and its correction bias, and the whole MTP head (its decoder layer except
-  the routed experts, eh_proj, enorm, hnorm, shared_head.norm). ``resident.total_bytes`` adds them.
+  the shared experts, the DSA indexer's wq_b, wk, weights_proj, the norm vectors (f32), the
+  indexer's k_norm weight and bias, the MoE router (f32 [n_experts, hidden]) and its correction
+  bias, and the MTP head (its decoder layer except the routed experts, eh_proj, enorm, hnorm,
+  shared_head.norm). ``uncounted`` is empty (kept for the JSON layout); ``total_bytes`` = engine.
 - **experts**: one routed expert of every MoE row (gate, up, down: payloads + ``.qs`` scales for the
   container; for float tensors the bytes after the engine's load-time quantization at
   ``--expert-bits``, the MTP row never below int8) and the row totals; ``disk`` figures are the
@@ -372,8 +372,9 @@ def _report(st, cfg, model_dir, dense_bits, expert_bits, ctx) -> dict:
         acc.n_float += sub.n_float
         notes.extend(n for n in sub.notes if n not in notes)
 
-    counted = ("embed", "lm_head", "attention", "indexer", "dense_mlp", "shared_experts")
-    uncounted = ("norms", "indexer_norms", "router", "router_bias", "mtp_head")
+    counted = ("embed", "lm_head", "attention", "indexer", "dense_mlp", "shared_experts", "norms",
+               "indexer_norms", "router", "router_bias", "mtp_head")
+    uncounted = ()                  # Model.resident_bytes() counts every resident group
     groups = {g: acc.groups.get(g, 0) for g in counted + uncounted}
     engine = sum(groups[g] for g in counted)
     extra = sum(groups[g] for g in uncounted)
@@ -428,8 +429,8 @@ def _add_ram(rep, cfg, ctx, ram_gb, cache_experts, prefetch, runtime_bytes, mem_
     if runtime_bytes is None:
         # configure measures RSS − resident_bytes() after model_init: this process's RSS now (the
         # interpreter and numpy) plus the weights the engine holds but resident_bytes() leaves out.
-        runtime_bytes = current_rss_bytes() + res["uncounted_bytes"]
-        source = "estimated: this process's RSS + the resident bytes Model.resident_bytes() leaves out"
+        runtime_bytes = current_rss_bytes()
+        source = "estimated: this process's RSS"
     else:
         runtime_bytes = int(runtime_bytes)
         source = "given"
