@@ -17,7 +17,7 @@ The numbers are those the engine uses (or would get) when it runs the model:
 - **ram**: :func:`colibri.budget.plan_ram` with the inputs ``colibri.tiers.configure`` gives it:
   resident (engine count), KV cache of ``--ctx`` positions (``Model.kv_bytes``), work buffers
   (``tiers.work_bytes_estimate``) plus the process's runtime bytes, the largest main row's expert
-  (disk) bytes, the MoE row count, the MTP row's expert bytes. No pins are planned (pin_bytes = 0):
+  (RAM) bytes, the MoE row count, the MTP row's expert bytes. No pins are planned (pin_bytes = 0):
   ``pin_room_bytes`` is what an explicit ``--pin`` could use at most, as configure computes it.
 - **per_token**: disk bytes a decoded token reads when no expert is in memory (hit rate 0 assumed:
   top-k experts in every MoE layer), the same under uniform, independent routing with the planned
@@ -510,14 +510,10 @@ def format_report(rep: dict) -> str:
     L.append(f"config    {', '.join(kinds)}")
     L.append("")
     L.append("resident weights")
-    for k in ("embed", "lm_head", "attention", "indexer", "dense_mlp", "shared_experts"):
-        if g[k]:
-            L.append(f"  {k:<28}{_fmt(g[k]):>12}")
-    L.append(f"  {'as the engine counts':<28}{_fmt(res['engine_bytes']):>12}   (Model.resident_bytes)")
-    for k in res["uncounted"]:
-        if g[k]:
-            L.append(f"  + {k:<26}{_fmt(g[k]):>12}   (not in resident_bytes)")
-    L.append(f"  {'resident total':<28}{_fmt(res['total_bytes']):>12}")
+    for k, v in g.items():
+        if v:
+            L.append(f"  {k:<28}{_fmt(v):>12}")
+    L.append(f"  {'resident total':<28}{_fmt(res['total_bytes']):>12}   (= Model.resident_bytes)")
     L.append("")
     L.append(f"routed experts{'':<16}{'one expert':>12}{'layer':>12}{'on disk/expert':>16}")
     for r in ex["rows"] + ([ex["mtp"]] if ex["mtp"] else []):

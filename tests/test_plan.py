@@ -182,7 +182,7 @@ def test_default_model_and_table(capsys):
     assert plan.main(["--cache-experts", "4", "--ram", "4"]) == 0
     out = capsys.readouterr().out
     assert default_model_dir() in out
-    for text in ("as the engine counts", "resident total", "layer 5 (MTP)", "4 of 16 experts cached",
+    for text in ("resident total", "resident total", "layer 5 (MTP)", "4 of 16 experts cached",
                  "hit rate 0 assumed", "per MTP draft"):
         assert text in out, text
 
