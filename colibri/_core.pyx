@@ -211,9 +211,14 @@ cdef inline int act_nblocks(int I, int block) noexcept nogil:
     return (I + block - 1) // block
 
 
-# Multiply-adds below which a matmul (or an attention call) stays on one thread: waking a thread
-# team costs more than it saves for the small, memory-bound products of single-token decode.
-cdef double PARALLEL_MIN_MACS = float(os.environ.get("COLIBRI_PARALLEL_MIN_MACS", 4 << 20))
+# Multiply-adds below which a matmul (or an attention call) stays on one thread. With sleeping
+# OpenMP threads (passive waits, ~50 µs to wake a team here) only large products pay; with the
+# bounded spin colibri/__init__.py chooses on an idle machine a team costs a few µs and even the
+# small products of single-token attention gain (attention of the bench fixture: 190 -> 105 µs a
+# layer at 64K). COLIBRI_PARALLEL_MIN_MACS overrides.
+_PASSIVE = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
+cdef double PARALLEL_MIN_MACS = float(os.environ.get("COLIBRI_PARALLEL_MIN_MACS",
+                                                     (4 << 20) if _PASSIVE else (1 << 15)))
 
 cdef enum:
     IDOT_FLOAT = 0      # dequant-on-use float dots (exact up to f32 summation order)
