@@ -49,6 +49,9 @@ cdef extern from "coli_kernels.h" nogil:
                              int R, int n, int block, float *out)
     void coli_rowdot_i4_rows(const uint8_t *w, const int8_t *q, long qstride, const float *xs, long sstride,
                              int R, int n, int block, float *out)
+    float coli_rowdot2s_i4(const uint8_t *w, const int8_t *q1, const float *xs1, const int32_t *s1,
+                           const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block)
+    void coli_block_sums(const int8_t *q, int n, int block, int32_t *s)
 
 cdef extern from "coli_prefetch.h" nogil:
     void coli_prefetch_row(const void *p, Py_ssize_t nbytes)
@@ -226,12 +229,17 @@ cdef enum:
     IDOT_Q8X2 = 2       # integer dots on int8 activations + their int8-quantized residual
 
 
+# Decode passes each activation block's sum to the int4 two-row kernel, which then needs one
+# vpdpbusd per 64 weights and activation row (bit-identical; COLIBRI_BLOCK_SUMS=0 turns it off, for
+# A/B measurements).
+cdef bint BLOCK_SUMS = os.environ.get("COLIBRI_BLOCK_SUMS", "1") != "0"
+
 cdef enum:
     PREFETCH_ROWS = 4   # weight rows prefetched ahead of the one being multiplied
 
 
 cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const float *xs, int nb, int blk,
-                         int idot, float *y) noexcept nogil:
+                         int idot, float *y, const int32_t *xsum=NULL) noexcept nogil:
     """Output column o of an integer-path matmul for all S activation rows: y[s, o].
     Several activation rows share each pass over the weight row (coli_rowdot_*_rows); every row's
     value is bit-identical to a single-row call, so results never depend on S."""
@@ -244,6 +252,9 @@ cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const flo
         if W.fmt == FMT_I8:
             r1[0] = (coli_rowdot2_i8(<const int8_t *>row, xq, xs, xq + off2, xs + soff2, I, blk)
                      if idot == IDOT_Q8X2 else coli_rowdot_i8(<const int8_t *>row, xq, xs, I, blk))
+        elif idot == IDOT_Q8X2 and xsum != NULL:
+            # the activations' block sums are known: the faster, bit-identical two-row kernel
+            r1[0] = coli_rowdot2s_i4(row, xq, xs, xsum, xq + off2, xs + soff2, xsum + soff2, I, blk)
         else:
             r1[0] = (coli_rowdot2_i4(row, xq, xs, xq + off2, xs + soff2, I, blk)
                      if idot == IDOT_Q8X2 else coli_rowdot_i4(row, xq, xs, I, blk))
@@ -267,19 +278,24 @@ cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const flo
 
 
 cdef inline void quant_row(const float *x, int n, int blk, int idot, int8_t *q1, float *s1,
-                           int8_t *q2, float *s2, float *xr) noexcept nogil:
+                           int8_t *q2, float *s2, float *xr, int32_t *m1=NULL, int32_t *m2=NULL) noexcept nogil:
     """Q8 activations of one row for the integer paths: q1/s1 = Q8(x); with IDOT_Q8X2 also
-    q2/s2 = Q8(x − s1·q1), the residual (xr [n] is scratch)."""
+    q2/s2 = Q8(x − s1·q1), the residual (xr [n] is scratch). m1/m2 (optional): the per-block sums
+    of q1/q2, which the faster int4 two-row kernel takes."""
     cdef int i
     coli_quantize_q8(x, n, blk, q1, s1)
+    if m1 != NULL:
+        coli_block_sums(q1, n, blk, m1)
     if idot == IDOT_Q8X2:
         for i in range(n):
             xr[i] = x[i] - s1[i // blk] * q1[i]
         coli_quantize_q8(xr, n, blk, q2, s2)
+        if m2 != NULL:
+            coli_block_sums(q2, n, blk, m2)
 
 
 cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
-                    int8_t *xq, float *xs, float *xr, int block, int idot) noexcept nogil:
+                    int8_t *xq, float *xs, float *xr, int block, int idot, int32_t *xsum=NULL) noexcept nogil:
     """y[S, O] = x[S, I] · Wᵀ. Each output element is computed by one thread, and a row's result
     does not depend on S, so batched verification computes exactly what single-row decode does.
 
@@ -298,11 +314,13 @@ cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
         off2 = <Py_ssize_t>S * I
         for s in range(S):
             quant_row(x + <Py_ssize_t>s * I, I, blk, idot, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb,
-                      xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb, xr)
+                      xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb, xr,
+                      xsum + <Py_ssize_t>s * nb if xsum != NULL else NULL,
+                      xsum + <Py_ssize_t>(S + s) * nb if xsum != NULL else NULL)
         for o in prange(O, schedule='static', nogil=True, num_threads=nt):
             if o + PREFETCH_ROWS < O:
                 coli_prefetch_row(W.q + <Py_ssize_t>(o + PREFETCH_ROWS) * W.rb, W.rb)
-            int_row(W, o, S, xq, xs, nb, blk, idot, y)
+            int_row(W, o, S, xq, xs, nb, blk, idot, y, xsum)
         return
     for o in prange(O, schedule='static', nogil=True, num_threads=nt):
         for s in range(S):
@@ -349,7 +367,8 @@ cdef inline int job_of(const FfnJob *jobs, int nj, int item, bint by_work) noexc
 cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const float *x, int D,
                     const int *urow, const float *uw, int block, int idot,
                     int8_t *xq, float *xs, float *g, float *u, int8_t *hq, float *hs, float *yd,
-                    float *xr, Py_ssize_t xr_stride, float *out, int nt) noexcept nogil:
+                    float *xr, Py_ssize_t xr_stride, float *out, int nt,
+                    int32_t *xm, int32_t *hm) noexcept nogil:
     """out[urow[p], :] += uw[p] · FFN_j(x[urow[p], :]) for every pair p of every job j, in job
     order. Four phases separated by barriers: quantize the inputs; gate and up rows of every FFN
     (one work item per weight row); silu(g)·u, quantized; down rows, one output column per item,
@@ -367,19 +386,20 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
             quant_row(x + <Py_ssize_t>urow[p] * D, D, blkD, idot,
                       xq + J.x0 + <Py_ssize_t>r * D, xs + J.xs0 + <Py_ssize_t>r * nbD,
                       xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, xs + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD,
-                      xr + t * xr_stride)
+                      xr + t * xr_stride, (xm + J.xs0 + <Py_ssize_t>r * nbD) if xm != NULL else NULL,
+                      (xm + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD) if xm != NULL else NULL)
         for w in prange(nwork, schedule='static'):
             J = &jobs[job_of(jobs, nj, w, True)]
             k = w - J.w0
             if k < J.I:
                 if k + PREFETCH_ROWS < J.I:
                     coli_prefetch_row(J.gate.q + <Py_ssize_t>(k + PREFETCH_ROWS) * J.gate.rb, J.gate.rb)
-                int_row(J.gate, k, J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, g + J.h0)
+                int_row(J.gate, k, J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, g + J.h0, (xm + J.xs0) if xm != NULL else NULL)
             else:
                 k = k - J.I
                 if k + PREFETCH_ROWS < J.I:
                     coli_prefetch_row(J.up.q + <Py_ssize_t>(k + PREFETCH_ROWS) * J.up.rb, J.up.rb)
-                int_row(J.up, k, J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, u + J.h0)
+                int_row(J.up, k, J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, u + J.h0, (xm + J.xs0) if xm != NULL else NULL)
         for p in prange(npairs, schedule='static'):
             J = &jobs[job_of(jobs, nj, p, False)]
             r = p - J.row0
@@ -388,13 +408,14 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
             quant_row(g + J.h0 + <Py_ssize_t>r * J.I, J.I, J.blkI, idot,
                       hq + J.hq0 + <Py_ssize_t>r * J.I, hs + J.hs0 + <Py_ssize_t>r * J.nbI,
                       hq + J.hq0 + <Py_ssize_t>(J.nr + r) * J.I, hs + J.hs0 + <Py_ssize_t>(J.nr + r) * J.nbI,
-                      xr + t * xr_stride)
+                      xr + t * xr_stride, (hm + J.hs0 + <Py_ssize_t>r * J.nbI) if hm != NULL else NULL,
+                      (hm + J.hs0 + <Py_ssize_t>(J.nr + r) * J.nbI) if hm != NULL else NULL)
         for o in prange(D, schedule='static'):
             for j in range(nj):
                 J = &jobs[j]
                 if o + PREFETCH_ROWS < D:
                     coli_prefetch_row(J.down.q + <Py_ssize_t>(o + PREFETCH_ROWS) * J.down.rb, J.down.rb)
-                int_row(J.down, o, J.nr, hq + J.hq0, hs + J.hs0, J.nbI, J.blkI, idot, yd + J.y0)
+                int_row(J.down, o, J.nr, hq + J.hq0, hs + J.hs0, J.nbI, J.blkI, idot, yd + J.y0, (hm + J.hs0) if hm != NULL else NULL)
             for j in range(nj):
                 J = &jobs[j]
                 for r in range(J.nr):
@@ -405,7 +426,7 @@ cdef class FfnScratch:
     """Buffers of a fused FFN group: up to max_jobs FFNs over max_pairs (FFN, row) pairs."""
     cdef FfnJob *jobs
     cdef public int max_jobs, max_pairs, D, I
-    cdef public object xq, xs, g, u, hq, hs, yd, xr, urow, uw
+    cdef public object xq, xs, g, u, hq, hs, yd, xr, urow, uw, xm, hm
 
     def __cinit__(self, int max_jobs, int max_pairs, int D, int I, int nt):
         self.jobs = <FfnJob *>malloc(max_jobs * sizeof(FfnJob))
@@ -418,6 +439,8 @@ cdef class FfnScratch:
         self.u = np.zeros(max_pairs * I, np.float32)
         self.hq = np.zeros(2 * max_pairs * I, np.int8)
         self.hs = np.zeros(2 * max_pairs * I, np.float32)
+        self.xm = np.zeros(2 * max_pairs * D, np.int32)       # block sums of xq / hq (same layout as xs / hs)
+        self.hm = np.zeros(2 * max_pairs * I, np.int32)
         self.yd = np.zeros(max_pairs * D, np.float32)
         self.xr = np.zeros((max(nt, 1), max(D, I)), np.float32)
         self.urow = np.zeros(max_pairs, np.int32)
@@ -687,6 +710,7 @@ cdef class Work:
     cdef public float[:, ::1] n, a, out, qr, q, ckv, ctx, xg, yg, rl, rw, kvb, tbuf, ik, iq, iw, isc
     cdef public float[::1] g, u, xs, xr, uw
     cdef public int8_t[::1] xq
+    cdef public int32_t[::1] xm
     cdef public int[:, ::1] sel, rsel
     cdef public int[::1] nsel, upos, uniq, ustart, urow
 
@@ -712,6 +736,7 @@ cdef class Work:
         self.tbuf = f(nt, 2 * c.kv_lora + T)
         self.xq = np.zeros(2 * rows * self.widest, np.int8)
         self.xs = f(2 * rows * self.widest)
+        self.xm = np.zeros(2 * rows * self.widest, np.int32)   # block sums of xq (layout of xs)
         self.xr = f(self.widest)
         if dsa:
             self.ik, self.iq = f(S, c.index_hd), f(S, c.index_nh * c.index_hd)
@@ -1040,7 +1065,8 @@ cdef class Model:
             raise EngineError(f"matmul of {S} rows x {W.c.I} inputs exceeds the activation scratch "
                               f"({ws.xq.shape[0] // 2} values)")
         with nogil:
-            matmul_qt(&W.c, x, S, y, &ws.xq[0], &ws.xs[0], &ws.xr[0], self.act_block, self.idot)
+            matmul_qt(&W.c, x, S, y, &ws.xq[0], &ws.xs[0], &ws.xr[0], self.act_block, self.idot,
+                      &ws.xm[0] if BLOCK_SUMS else NULL)
         return 0
 
     # -- forward -------------------------------------------------------------------------------
@@ -1240,13 +1266,14 @@ cdef class Model:
         cdef float[::1] xs = fs.xs, g = fs.g, u = fs.u, hs = fs.hs, yd = fs.yd, uw = fs.uw
         cdef float[:, ::1] xr = fs.xr
         cdef int[::1] urow = fs.urow
+        cdef int32_t[::1] xm = fs.xm, hm = fs.hm
         cdef double macs = 3.0 * <double>h0 * D
         cdef int nt = 1 if macs < FUSED_MIN_MACS else coli_max_threads()
         cdef int block = self.act_block, idot = self.idot
         with nogil:
             ffn_group(fs.jobs, nj, npairs, nwork, &n[0, 0], D, &urow[0], &uw[0], block, idot,
                       &xq[0], &xs[0], &g[0], &u[0], &hq[0], &hs[0], &yd[0], &xr[0, 0], xr.shape[1],
-                      &out[0, 0], nt)
+                      &out[0, 0], nt, &xm[0] if BLOCK_SUMS else NULL, &hm[0] if BLOCK_SUMS else NULL)
 
     cdef int _ffn(self, QT gate, QT up, QT down, const float *x, int S, float *out, Work ws) except -1:
         """out[S, D] = down · (silu(gate · x) ⊙ (up · x)), the hidden [S, I] kept in ws.g / ws.u."""

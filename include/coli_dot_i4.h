@@ -231,6 +231,14 @@ static inline void coli_rowsg_i4_scalar(const uint8_t *wp, const int8_t *const *
 }
 COLI_ROWS_WRAPPERS(i4, uint8_t, scalar, )
 
+static inline float coli_rowdot2s_i4_scalar(const uint8_t *w, const int8_t *q1, const float *xs1,
+                                            const int32_t *s1, const int8_t *q2, const float *xs2,
+                                            const int32_t *s2, int n, int block)
+{
+    (void)s1; (void)s2;
+    return coli_rowdot2_i4_scalar(w, q1, xs1, q2, xs2, n, block);
+}
+
 #if COLI_X86
 /* ---------------------------------------- AVX2 ---------------------------------------- */
 
@@ -331,6 +339,16 @@ COLI_AVX2 static inline void coli_rowsg_i4_avx2(const uint8_t *wp, const int8_t 
 }
 COLI_ROWS_WRAPPERS(i4, uint8_t, avx2, COLI_AVX2)
 
+/* rowdot2 with the activations' per-block sums given (see coli_rowdot2s_i4_avx512); AVX2 ignores
+ * them (same integers, same floats) */
+COLI_AVX2 static inline float coli_rowdot2s_i4_avx2(const uint8_t *w, const int8_t *q1, const float *xs1,
+                                                    const int32_t *s1, const int8_t *q2, const float *xs2,
+                                                    const int32_t *s2, int n, int block)
+{
+    (void)s1; (void)s2;
+    return coli_rowdot2_i4_avx2(w, q1, xs1, q2, xs2, n, block);
+}
+
 /* ------------------------------------- AVX-512 VNNI ------------------------------------- */
 
 /* Signed weights v = u - 8 for all rows: 64 nibbles from 32 packed bytes (lanes past the masked
@@ -427,6 +445,42 @@ COLI_AVX512 static inline void coli_rowsg_i4_avx512(const uint8_t *wp, const int
     }
 }
 COLI_ROWS_WRAPPERS(i4, uint8_t, avx512, COLI_AVX512)
+
+/* rowdot2 (two activation rows: q1 and its quantized residual q2) with each activation block's sum
+ * s[b] = sum of q over block b given by the caller (computed once per activation row, when it is
+ * quantized, instead of once per weight row): the stored nibble u = v + 8 is vpdpbusd's unsigned
+ * operand as it is, sum v*x = sum u*x - 8 * s[b], so 64 weights cost one decode and one vpdpbusd
+ * per activation row. The block integers are exact, so the floats (coli_block_acc in block order,
+ * then o1 + o2) are bit-identical to coli_rowdot2_i4_avx512. Masked tails: lanes past the end hold
+ * u = 0 and x = 0. */
+COLI_AVX512 static inline float coli_rowdot2s_i4_avx512(const uint8_t *wp, const int8_t *q1, const float *xs1,
+                                                        const int32_t *s1, const int8_t *q2, const float *xs2,
+                                                        const int32_t *s2, int n, int block)
+{
+    float acc1 = 0.0f, acc2 = 0.0f;
+    int i = 0, b = 0;
+    block = coli_block_len(n, block);
+    for (; i < n; i += block, b++) {
+        int len = n - i < block ? n - i : block, j = 0;
+        __m512i a1 = _mm512_setzero_si512(), a2 = _mm512_setzero_si512();
+        for (; j + 64 <= len; j += 64) {
+            __m512i u = coli_i4x64_unpack_avx512(_mm256_loadu_si256((const __m256i *)(wp + (i + j) / 2)));
+            a1 = _mm512_dpbusd_epi32(a1, u, _mm512_loadu_si512(q1 + i + j));
+            a2 = _mm512_dpbusd_epi32(a2, u, _mm512_loadu_si512(q2 + i + j));
+        }
+        if (j < len) {
+            int rem = len - j;
+            __mmask32 mb = (__mmask32)((1ULL << ((rem + 1) / 2)) - 1);
+            __mmask64 mx = ~0ULL >> (64 - rem);
+            __m512i u = coli_i4x64_unpack_avx512(_mm256_maskz_loadu_epi8(mb, wp + (i + j) / 2));
+            a1 = _mm512_dpbusd_epi32(a1, u, _mm512_maskz_loadu_epi8(mx, q1 + i + j));
+            a2 = _mm512_dpbusd_epi32(a2, u, _mm512_maskz_loadu_epi8(mx, q2 + i + j));
+        }
+        acc1 = coli_block_acc(acc1, xs1[b], _mm512_reduce_add_epi32(a1) - 8 * s1[b]);
+        acc2 = coli_block_acc(acc2, xs2[b], _mm512_reduce_add_epi32(a2) - 8 * s2[b]);
+    }
+    return acc1 + acc2;
+}
 #endif /* COLI_X86 */
 
 #endif /* COLI_DOT_I4_H */
