@@ -21,22 +21,6 @@ MODELS = {"tiny_dense": DATA / "tiny_dense", "tiny_dsa": DATA / "tiny_dsa", "tin
 BITS = [(32, 32), (8, 8), (4, 4), (8, 4)]
 
 
-def engine_total_resident(m):
-    """Every resident array the loaded engine holds (what resident_bytes() counts and what it does not)."""
-    tot = m.embed.nbytes + (0 if m.lm_head is m.embed else m.lm_head.nbytes) + m.final_norm.nbytes
-    layers = list(m.layers) + ([m.mtp] if m.has_mtp else [])
-    for L in layers:
-        for W in (L.q_a, L.q_b, L.kv_a, L.kv_b, L.o_proj, L.gate, L.up, L.down, L.iwq, L.iwk, L.iwp, L.router):
-            if W is not None:
-                tot += W.nbytes
-        for v in (L.in_ln, L.post_ln, L.q_a_ln, L.kv_a_ln, L.router_bias, L.ik_w, L.ik_b):
-            if v is not None:
-                tot += v.nbytes
-    if m.has_mtp:
-        tot += m.eh_proj.nbytes + m.enorm.nbytes + m.hnorm.nbytes + m.mtp_norm.nbytes
-    return tot
-
-
 @pytest.fixture(scope="module")
 def loaded():
     """model_init of each test model at each bit setting, loaded once."""
@@ -60,7 +44,7 @@ def test_report_matches_the_loaded_engine(name, db, eb, loaded):
     r = plan.build_report(MODELS[name], dense_bits=db, expert_bits=eb, ram_gb=4, runtime_bytes=0)
     res = r["resident"]
     assert res["engine_bytes"] == m.resident_bytes()
-    assert res["total_bytes"] == engine_total_resident(m)
+    assert res["total_bytes"] == m.resident_bytes()
     assert res["total_bytes"] == res["engine_bytes"] + res["uncounted_bytes"]
     assert sum(res["groups"].values()) == res["total_bytes"]
     assert r["config"]["has_mtp"] == m.has_mtp and r["config"]["has_dsa"] == m.has_dsa
@@ -145,7 +129,7 @@ def test_int4_container(tmp_path):
     try:
         assert r["format"] == "container"
         assert r["resident"]["engine_bytes"] == m.resident_bytes()
-        assert r["resident"]["total_bytes"] == engine_total_resident(m)
+        assert r["resident"]["total_bytes"] == m.resident_bytes()
         x = r["experts"]["rows"][0]
         assert x["expert_bytes"] == x["expert_disk_bytes"] == tiers.expert_bytes_by_row(m)[x["layer"]]
         E = m.expert_load(x["layer"], 0)
@@ -337,7 +321,7 @@ def test_model_without_moe_layers_plans_as_configure(tmp_path, monkeypatch):
         t = tiers.configure(m, r["ctx"], ram_gb=1, runtime=999, autopin=False, learn=False)
         assert r["experts"]["rows"] == [] and r["experts"]["total_bytes"] == 0
         assert r["resident"]["engine_bytes"] == m.resident_bytes()
-        assert r["resident"]["total_bytes"] == engine_total_resident(m)
+        assert r["resident"]["total_bytes"] == m.resident_bytes()
         assert r["ram"]["projected_peak_bytes"] == t.plan.projected_peak_bytes
         assert r["ram"]["capacity"] == t.plan.capacity and r["runtime_bytes"] == 0
         assert r["per_token"]["disk_bytes_cold"] == 0 and r["per_token"]["disk_bytes_uniform"] is None
