@@ -108,3 +108,29 @@ def test_bf16_checkpoint_loads(tmp_path):
     np.testing.assert_array_equal(a, b)
     _, c = model_init(tmp_path / "bf16", dense_bits=8, expert_bits=4).forward_all(ids)
     assert np.max(np.abs(c - a)) < 1.0
+
+
+@pytest.mark.parametrize("name", ["tiny_dsa", "tiny_mtp"])
+def test_resident_bytes_counts_every_resident_array(name):
+    """resident_bytes() (the RAM projection's resident term) equals the bytes of every weight the
+    model holds outside the expert cache, found by walking the layers' attributes."""
+    from colibri._core import QT
+    m = model_init(DATA / name)
+    seen, total = set(), 0
+
+    def add(v):
+        nonlocal total
+        if isinstance(v, QT):
+            v = v.data if v.scale is None else (v.data, v.scale)
+        for a in (v if isinstance(v, tuple) else (v,)):
+            if isinstance(a, np.ndarray) and id(a) not in seen:
+                seen.add(id(a))
+                total += a.nbytes
+
+    attrs = [a for a in dir(m.layers[0]) if not a.startswith("_")]
+    for L in list(m.layers) + ([m.mtp] if m.has_mtp else []):
+        for a in attrs:
+            add(getattr(L, a))
+    for v in (m.embed, m.lm_head, m.final_norm) + ((m.eh_proj, m.enorm, m.hnorm, m.mtp_norm) if m.has_mtp else ()):
+        add(v)
+    assert m.resident_bytes() == total
