@@ -775,7 +775,7 @@ cdef class Model:
     cdef public object cache                      # ExpertCache: pinned hot-store + per-layer LRU + prefetch
     cdef public bint pilot                        # router-lookahead prefetch of layer L+1's experts
     cdef public bint direct                       # O_DIRECT reads of expert payloads
-    cdef object _direct_fds, _io
+    cdef object _direct_fds, _io, _slabs
     # Counters
     cdef public long long bytes_read, forwards, decode_forwards, emitted
     cdef public object trace                      # None, or a list that collects (forward, layer, rows, experts)
@@ -910,7 +910,7 @@ cdef class Model:
             infos = [st.info(n) for n in names]
             order = sorted(range(3), key=lambda k: infos[k].offset)
             total = sum(inf.nbytes for inf in infos)
-            slab = np.empty(total, np.uint8)
+            slab = self._slabs.take(total)
             contiguous = all(infos[order[k]].file_index == infos[order[0]].file_index and
                              infos[order[k]].offset == infos[order[k - 1]].offset + infos[order[k - 1]].nbytes
                              for k in range(1, 3))
@@ -1999,8 +1999,58 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
                           prefetch=prefetch, n_experts=cfg.n_experts)
     m.pilot = bool(prefetch) and m.cache_experts < cfg.n_experts
     m.cache.overshoot = cfg.topk            # within the RAM plan's per-call allowance
+    m._slabs = _SlabPool(2 * cfg.topk)
+    m.cache.on_evict = m._slabs.recycle
     m.reset_stats()
     return m
+
+
+class _SlabPool:
+    """Expert payload buffers of evicted experts, reused by the next loads of the same size: a
+    fresh buffer costs a page fault per 4 KiB on its first write, as much as the read itself when
+    the data comes from the page cache. An evicted expert is often still in use (a call needing more
+    experts than the LRU holds computes with experts the cache has already let go), so evicted
+    experts wait in a list, and a buffer is taken back only once nothing but that list references
+    the expert and its three matrices (their payloads are views of the buffer)."""
+
+    def __init__(self, per_size: int):
+        self._free = {}
+        self._waiting = []
+        self._per_size = max(int(per_size), 1)
+        self._lock = threading.Lock()
+        self.reused = 0
+
+    def recycle(self, E):
+        """on_evict hook of the expert cache."""
+        if getattr(E, "slab", None) is None or E.slab.base is not None:   # O_DIRECT views, floats
+            return
+        with self._lock:
+            self._waiting.append(E)
+            if len(self._waiting) > 8 * self._per_size:
+                del self._waiting[0]
+
+    def take(self, nbytes):
+        import sys
+        with self._lock:
+            keep = []
+            for E in self._waiting:
+                # held by the list and this loop only, and each matrix by E only: free to reuse
+                if (sys.getrefcount(E) <= 3 and sys.getrefcount(E.gate) <= 2 and sys.getrefcount(E.up) <= 2
+                        and sys.getrefcount(E.down) <= 2):
+                    slab = E.slab
+                    E.gate = E.up = E.down = None
+                    E.slab = None
+                    lst = self._free.setdefault(slab.nbytes, [])
+                    if len(lst) < self._per_size:
+                        lst.append(slab)
+                else:
+                    keep.append(E)
+            self._waiting = keep
+            lst = self._free.get(nbytes)
+            if lst:
+                self.reused += 1
+                return lst.pop()
+        return np.empty(nbytes, np.uint8)
 
 
 class _IoClock:

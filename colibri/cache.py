@@ -149,6 +149,8 @@ class ExpertCache:
         # (the engine protects the predicted set, so one prediction's loads do not evict each
         # other); the next get() of the row trims it back.
         self.overshoot = 0
+        # Called with an evicted expert (lock held, must be quick and must not call back).
+        self.on_evict = None
         self.usage = np.zeros((n_rows, n_experts), np.int64)
 
         self._lock = threading.Lock()
@@ -250,6 +252,10 @@ class ExpertCache:
         self._st["evictions"] += 1
         if ent.prefetched:
             self._st["prefetch_wasted"] += 1
+        if self.on_evict is not None:
+            obj = ent.obj
+            del ent
+            self.on_evict(obj)          # e.g. recycle its buffer when nothing else holds it
 
     def _place_prefetched(self, layer, eid, obj, protect):
         """Insert a prefetched expert as the most recent entry of layer's LRU (lock held)."""
