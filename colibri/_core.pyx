@@ -1004,7 +1004,8 @@ cdef class Model:
         """Disk figures: bytes read, seconds with at least one read in flight, read GB/s."""
         busy = self._io.busy_s()
         return {"bytes_read": int(self.bytes_read), "disk_busy_s": busy,
-                "read_gb_s": (self.bytes_read / busy / 1e9) if busy > 0 else 0.0}
+                "read_gb_s": (self.bytes_read / busy / 1e9) if busy > 0 else 0.0,
+                "buffers_reused": self._slabs.reused}
 
     # -- KV ------------------------------------------------------------------------------------
 

@@ -65,6 +65,15 @@ def test_every_tier_setting_is_bit_identical(int4):
             assert m.expert_misses > 0 and m.bytes_read > 0, name
 
 
+def test_evicted_expert_buffers_are_reused_exactly(int4):
+    """Loads reuse the payload buffers of evicted experts once nothing references them; the
+    outputs stay bit-identical to a cache that never evicts."""
+    base_tokens, base_logits, _ = decode(int4)
+    tokens, logits, m = decode(int4, cache_experts=1, prefetch=False)
+    assert tokens == base_tokens and np.array_equal(logits, base_logits)
+    assert m.io_stats()["buffers_reused"] > 0
+
+
 def test_prefetch_loads_into_the_cache_and_counts_recall(int4):
     _, _, m = decode(int4, cache_experts=2)
     s = m.cache.stats
