@@ -427,6 +427,20 @@ cdef class FfnScratch:
     cdef FfnJob *jobs
     cdef public int max_jobs, max_pairs, D, I
     cdef public object xq, xs, g, u, hq, hs, yd, xr, urow, uw, xm, hm
+    # raw pointers into the arrays above (kept alive by this object): no buffer acquisition per call
+    cdef int8_t *p_xq
+    cdef int8_t *p_hq
+    cdef float *p_xs
+    cdef float *p_g
+    cdef float *p_u
+    cdef float *p_hs
+    cdef float *p_yd
+    cdef float *p_xr
+    cdef float *p_uw
+    cdef int *p_urow
+    cdef int32_t *p_xm
+    cdef int32_t *p_hm
+    cdef Py_ssize_t xr_stride
 
     def __cinit__(self, int max_jobs, int max_pairs, int D, int I, int nt):
         self.jobs = <FfnJob *>malloc(max_jobs * sizeof(FfnJob))
@@ -445,6 +459,15 @@ cdef class FfnScratch:
         self.xr = np.zeros((max(nt, 1), max(D, I)), np.float32)
         self.urow = np.zeros(max_pairs, np.int32)
         self.uw = np.zeros(max_pairs, np.float32)
+        cdef int8_t[::1] xq = self.xq, hq = self.hq
+        cdef float[::1] xs = self.xs, g = self.g, u = self.u, hs = self.hs, yd = self.yd, uw = self.uw
+        cdef float[:, ::1] xr = self.xr
+        cdef int[::1] urow = self.urow
+        cdef int32_t[::1] xm = self.xm, hm = self.hm
+        self.p_xq, self.p_hq, self.p_xs, self.p_g, self.p_u = &xq[0], &hq[0], &xs[0], &g[0], &u[0]
+        self.p_hs, self.p_yd, self.p_xr, self.p_uw, self.p_urow = &hs[0], &yd[0], &xr[0, 0], &uw[0], &urow[0]
+        self.p_xm, self.p_hm = &xm[0], &hm[0]
+        self.xr_stride = xr.shape[1]
 
     def __dealloc__(self):
         free(self.jobs)
@@ -1239,12 +1262,12 @@ cdef class Model:
             Imax = max(Imax, (<QT>f[0]).c.O)
         npairs = sum(f[4] for f in ffns)
         cdef FfnScratch fs = self._ffn_scratch(npairs, nj, Imax)
-        if rows is None:
-            fs.urow[:S] = np.arange(S, dtype=np.int32)
-            fs.uw[:S] = 1.0
-        else:
-            fs.urow[:npairs] = rows[0][:npairs]
-            fs.uw[:npairs] = rows[1][:npairs]
+        cdef int r
+        if rows is None:                  # one FFN on rows 0..S-1 with weight 1
+            for r in range(S):
+                fs.p_urow[r] = r
+                fs.p_uw[r] = 1.0
+        # else: the caller filled fs.urow / fs.uw (see moe)
         cdef FfnJob *J
         cdef Py_ssize_t x0 = 0, xs0 = 0, h0 = 0, hq0 = 0, hs0 = 0, y0 = 0
         cdef int nbD = act_nblocks(D, self.act_block)
@@ -1263,18 +1286,13 @@ cdef class Model:
             hs0 += 2 * nr * J.nbI
             y0 += nr * D
             nwork += 2 * J.I
-        cdef int8_t[::1] xq = fs.xq, hq = fs.hq
-        cdef float[::1] xs = fs.xs, g = fs.g, u = fs.u, hs = fs.hs, yd = fs.yd, uw = fs.uw
-        cdef float[:, ::1] xr = fs.xr
-        cdef int[::1] urow = fs.urow
-        cdef int32_t[::1] xm = fs.xm, hm = fs.hm
         cdef double macs = 3.0 * <double>h0 * D
         cdef int nt = 1 if macs < FUSED_MIN_MACS else coli_max_threads()
         cdef int block = self.act_block, idot = self.idot
         with nogil:
-            ffn_group(fs.jobs, nj, npairs, nwork, &n[0, 0], D, &urow[0], &uw[0], block, idot,
-                      &xq[0], &xs[0], &g[0], &u[0], &hq[0], &hs[0], &yd[0], &xr[0, 0], xr.shape[1],
-                      &out[0, 0], nt, &xm[0] if BLOCK_SUMS else NULL, &hm[0] if BLOCK_SUMS else NULL)
+            ffn_group(fs.jobs, nj, npairs, nwork, &n[0, 0], D, fs.p_urow, fs.p_uw, block, idot,
+                      fs.p_xq, fs.p_xs, fs.p_g, fs.p_u, fs.p_hq, fs.p_hs, fs.p_yd, fs.p_xr, fs.xr_stride,
+                      &out[0, 0], nt, fs.p_xm if BLOCK_SUMS else NULL, fs.p_hm if BLOCK_SUMS else NULL)
 
     cdef int _ffn(self, QT gate, QT up, QT down, const float *x, int S, float *out, Work ws) except -1:
         """out[S, D] = down · (silu(gate · x) ⊙ (up · x)), the hidden [S, I] kept in ws.g / ws.u."""
@@ -1327,19 +1345,23 @@ cdef class Model:
         ffns = [((<Expert>X).gate, (<Expert>X).up, (<Expert>X).down) for X in experts]
         if L.gate is not None:
             ffns.append((L.gate, L.up, L.down))
+        cdef FfnScratch fs
+        cdef int npairs
         if self._fusable(S, ffns):
             # routed experts in ascending id, then the shared expert (weight 1) on every row
             jobs = [ffns[u] + (ustart[u], ustart[u + 1] - ustart[u]) for u in range(nu)]
             npairs = ustart[nu]
-            urow_a = np.empty(npairs + (S if L.gate is not None else 0), np.int32)
-            uw_a = np.empty(len(urow_a), np.float32)
-            urow_a[:npairs] = np.asarray(urow)[:npairs]
-            uw_a[:npairs] = np.asarray(uw)[:npairs]
             if L.gate is not None:
                 jobs.append(ffns[nu] + (npairs, S))
-                urow_a[npairs:] = np.arange(S, dtype=np.int32)
-                uw_a[npairs:] = 1.0
-            self._ffn_fused(jobs, n, S, out, (urow_a, uw_a))
+            fs = self._ffn_scratch(npairs + S, len(jobs), max((<QT>f[0]).c.O for f in ffns))
+            with nogil:
+                for i in range(npairs):
+                    fs.p_urow[i] = urow[i]
+                    fs.p_uw[i] = uw[i]
+                for s in range(S):
+                    fs.p_urow[npairs + s] = s
+                    fs.p_uw[npairs + s] = 1.0
+            self._ffn_fused(jobs, n, S, out, True)
             self.t_moe += time.perf_counter() - t0
             return
         for u in range(nu):
