@@ -1454,6 +1454,9 @@ cdef class Model:
         if self.Lc is None or pos_base < 0 or pos_base + S > self.max_t:
             raise ValueError(f"positions {pos_base}..{pos_base + S - 1} do not fit the KV cache of "
                              f"{self.max_t} positions (call kv_alloc with a larger context)")
+        if self.has_mtp and self.mtp_next > pos_base:
+            # the MTP KV rows from pos_base on belong to tokens this forward replaces
+            self.mtp_next = pos_base
         x = np.empty((S, self.cfg.hidden), np.float32)
         for s, t in enumerate(ids):
             self.embed_row(t, x[s])
@@ -1632,7 +1635,7 @@ cdef class Model:
         if self.has_mtp and not policy.off:
             # h_all holds the residual rows of the last forward: positions base .. kv-1
             base = kv - len(self.h_all) if self.h_all is not None and len(self.h_all) <= kv else kv - 1
-            if self.mtp_next < base or self.mtp_next > kv:
+            if self.mtp_next < base:
                 # the hidden states of positions before this forward are gone (a reused prompt
                 # prefix): the MTP window starts afresh at the forward's first row
                 self.kv_start[self.cfg.n_layers] = -1

@@ -251,8 +251,6 @@ class LLM:
             m = self.model
             t0 = time.perf_counter()
             common = _common_prefix(self.history, ids, len(ids) - 1)
-            if common < len(self.history):
-                m.mtp_next = min(m.mtp_next, common)
             self.history = []                    # invalid until this request's KV is consistent
             m.reset_stats()
             m.mtp_absorb_prefill = m.has_mtp and isinstance(draft, int) and draft > 0

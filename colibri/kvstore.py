@@ -52,6 +52,8 @@ import sys
 
 import numpy as np
 
+from .usage import fsync_dir
+
 try:                                    # advisory locking of PATH.tmp (POSIX)
     import fcntl
 except ImportError:                     # pragma: no cover
@@ -153,19 +155,6 @@ def _bytes_of(a):
 # ---------------------------------------------------------------------------------------------
 # save
 # ---------------------------------------------------------------------------------------------
-
-def _fsync_dir(d):
-    try:
-        fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:                     # some file systems refuse fsync on a folder
-        pass
-    finally:
-        os.close(fd)
-
 
 def _open_locked_tmp(tmp):
     """Open (create) PATH.tmp and hold an exclusive lock on it. A stale file of a killed writer is
@@ -292,7 +281,7 @@ def save_session(path, model, history, meta=None) -> int:
             pass
         os.close(fd)
         raise
-    _fsync_dir(folder)
+    fsync_dir(folder)
     os.close(fd)                        # releases the lock
     return total
 

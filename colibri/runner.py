@@ -200,20 +200,10 @@ def tier_line(s: dict) -> str:
     return " | ".join(parts)
 
 
-def expert_disk_bytes(model, layer: int, eid: int = 0) -> int:
-    """Bytes one expert of this layer occupies on disk (payloads and their row scales)."""
-    st, n = model.st, 0
-    for m in ("gate_proj", "up_proj", "down_proj"):
-        name = f"model.layers.{layer}.mlp.experts.{eid}.{m}.weight"
-        n += st.info(name).nbytes
-        if name + ".qs" in st:
-            n += st.info(name + ".qs").nbytes
-    return n
-
-
 def write_trace(path: str, model, model_dir: str) -> None:
     """The routing of this run as JSON Lines (format in tools/simulate_cache.py): a header, then one
     object per MoE layer call {f: forward, l: layer, s: rows, e: unique experts ascending}."""
+    from .tiers import expert_disk_bytes
     cfg = model.cfg
     moe_layers = [i for i in range(cfg.n_layers) if cfg.sparse[i]] + ([cfg.n_layers] if model.has_mtp else [])
     header = {"format": "colibri-routing-trace", "version": 1, "model": os.path.abspath(model_dir),

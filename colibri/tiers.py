@@ -32,17 +32,26 @@ def expert_bytes_by_row(model) -> list:
     for layer in range(c.n_layers + 1):
         moe = (c.sparse[layer] if layer < c.n_layers else model.has_mtp)
         n = 0
-        if moe:
+        if moe and f"model.layers.{layer}.mlp.experts.0.gate_proj.weight.qs" in st:
+            n = expert_disk_bytes(model, layer)            # container experts: as stored
+        elif moe:
+            bits = model.expert_bits if layer < c.n_layers else max(model.expert_bits, 8)
             for m in ("gate_proj", "up_proj", "down_proj"):
-                name = f"model.layers.{layer}.mlp.experts.0.{m}.weight"
-                if name + ".qs" in st:
-                    n += st.info(name).nbytes + st.info(name + ".qs").nbytes
-                else:
-                    O, I = st.info(name).shape
-                    bits = model.expert_bits if layer < c.n_layers else max(model.expert_bits, 8)
-                    n += _float_matrix_bytes(O, I, bits)
+                O, I = st.info(f"model.layers.{layer}.mlp.experts.0.{m}.weight").shape
+                n += _float_matrix_bytes(O, I, bits)
         out.append(n)
     return out
+
+
+def expert_disk_bytes(model, layer: int, eid: int = 0) -> int:
+    """Bytes one expert of this layer occupies on disk (payloads and their row scales)."""
+    st, n = model.st, 0
+    for m in ("gate_proj", "up_proj", "down_proj"):
+        name = f"model.layers.{layer}.mlp.experts.{eid}.{m}.weight"
+        n += st.info(name).nbytes
+        if name + ".qs" in st:
+            n += st.info(name + ".qs").nbytes
+    return n
 
 
 def _float_matrix_bytes(O: int, I: int, bits: int) -> int:

@@ -98,8 +98,13 @@ def save_counts(path, counts) -> None:
         except OSError:
             pass
         raise
-    try:                                        # make the rename itself durable (best effort)
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))     # make the rename itself durable
+
+
+def fsync_dir(folder) -> None:
+    """fsync a folder (after a rename in it), best effort: some file systems refuse it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
         return
     try:
