@@ -384,11 +384,12 @@ def _fast_layer(layer, x, cos, sin, mon):
     return x + y
 
 
-def fast_losses(lm, head, x, mon=None, reduction="mean"):
+def fast_logits(lm, head, x, mon=None):
+    """Main logits [B, T, V] for windows x [B, T+1] and the MTP head's logits [B, T-1, V] (token
+    t+2 from position t), through the fast layers (the path check_fast_path compares with HF)."""
     torch = _torch()
-    F = torch.nn.functional
     inp = x[:, :-1]
-    B, S = inp.shape
+    S = inp.shape[1]
     pos = torch.arange(S, dtype=torch.long)[None]
     h = lm.model.embed_tokens(inp)
     cos, sin = lm.model.rotary_emb(h, position_ids=pos)
@@ -396,12 +397,17 @@ def fast_losses(lm, head, x, mon=None, reduction="mean"):
         h = _fast_layer(layer, h, cos, sin, mon)
     hn = lm.model.norm(h)
     logits = lm.lm_head(hn)
-    V = logits.shape[-1]
-    main = F.cross_entropy(logits.reshape(-1, V).float(), x[:, 1:].reshape(-1), reduction=reduction)
     e = head.enorm(lm.model.embed_tokens(inp[:, 1:]))
     hx = head.eh_proj(torch.cat([e.to(hn.dtype), head.hnorm(hn[:, :-1]).to(hn.dtype)], dim=-1))
     o = _fast_layer(head.layer, hx, cos[:, :S - 1], sin[:, :S - 1], mon)
-    mlog = lm.lm_head(head.shared_head_norm(o))
+    return logits, lm.lm_head(head.shared_head_norm(o))
+
+
+def fast_losses(lm, head, x, mon=None, reduction="mean"):
+    F = _torch().nn.functional
+    logits, mlog = fast_logits(lm, head, x, mon)
+    V = logits.shape[-1]
+    main = F.cross_entropy(logits.reshape(-1, V).float(), x[:, 1:].reshape(-1), reduction=reduction)
     mtp = F.cross_entropy(mlog.reshape(-1, V).float(), x[:, 2:].reshape(-1), reduction=reduction)
     return main, mtp
 
@@ -1019,19 +1025,7 @@ def _detail(lm, head, W, batch=8):
     with torch.no_grad():
         for i in range(0, len(W), batch):
             x = torch.from_numpy(W[i:i + batch])
-            inp = x[:, :-1]
-            B, S = inp.shape
-            pos = torch.arange(S, dtype=torch.long)[None]
-            h = lm.model.embed_tokens(inp)
-            cos, sin = lm.model.rotary_emb(h, position_ids=pos)
-            for layer in lm.model.layers:
-                h = _fast_layer(layer, h, cos, sin, None)
-            hn = lm.model.norm(h)
-            lg = lm.lm_head(hn)
-            e = head.enorm(lm.model.embed_tokens(inp[:, 1:]))
-            hx = head.eh_proj(torch.cat([e, head.hnorm(hn[:, :-1])], dim=-1))
-            o = _fast_layer(head.layer, hx, cos[:, :S - 1], sin[:, :S - 1], None)
-            ml = lm.lm_head(head.shared_head_norm(o))
+            lg, ml = fast_logits(lm, head, x)
             V = lg.shape[-1]
             ce_m.append(F.cross_entropy(lg.reshape(-1, V), x[:, 1:].reshape(-1), reduction="none").numpy())
             ce_t.append(F.cross_entropy(ml.reshape(-1, V), x[:, 2:].reshape(-1), reduction="none").numpy())
