@@ -9,7 +9,6 @@ next ``chat`` reopens them without prefilling old turns. A damaged file is repor
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from typing import List, Optional
@@ -21,15 +20,9 @@ STOPS = ["<|user|>", "<|system|>"]
 def session_path(model_dir: str, name: str = "default") -> str:
     """Where the chat session of model_dir is saved: next to the model when its folder is
     writable, else under ~/.cache/colibri/chat/ (COLIBRI_USAGE_DIR, used by the tests, wins)."""
-    model_dir = os.path.abspath(model_dir)
+    from .usage import model_state_path
     suffix = "" if name == "default" else f".{name}"
-    forced = os.environ.get("COLIBRI_USAGE_DIR", "")
-    if not forced and os.path.isdir(model_dir) and os.access(model_dir, os.W_OK | os.X_OK):
-        return os.path.join(model_dir, SESSION_FILE + suffix)
-    base = forced or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "colibri", "chat")
-    os.makedirs(base, exist_ok=True)
-    digest = hashlib.sha256(model_dir.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return os.path.join(base, digest + suffix + ".kv")
+    return model_state_path(model_dir, SESSION_FILE + suffix, "chat", suffix + ".kv")
 
 
 class ChatSession:

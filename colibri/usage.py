@@ -125,17 +125,25 @@ def usage_path(model_dir) -> str:
     created. ``COLIBRI_USAGE_DIR`` forces that folder for every model (tests use it so that no run
     writes into a model folder).
     """
+    return model_state_path(model_dir, USAGE_FILE, "usage", ".txt")
+
+
+def model_state_path(model_dir, filename: str, cache_subdir: str, ext: str) -> str:
+    """A file of state kept for a model (routing history, chat session): ``model_dir/filename``
+    when that folder is writable, else ``<cache>/colibri/<cache_subdir>/<sha256(model path)[:16]><ext>``
+    (``$XDG_CACHE_HOME`` when absolute, else ``~/.cache``; created), or that file name in
+    ``COLIBRI_USAGE_DIR`` when it is set."""
     model_dir = os.path.abspath(os.fspath(model_dir))
     forced = os.environ.get("COLIBRI_USAGE_DIR", "")
     if not forced and os.path.isdir(model_dir) and os.access(model_dir, os.W_OK | os.X_OK):
-        return os.path.join(model_dir, USAGE_FILE)
+        return os.path.join(model_dir, filename)
     base = os.environ.get("XDG_CACHE_HOME", "")
     if not base or not os.path.isabs(base):
         base = os.path.join(os.path.expanduser("~"), ".cache")
-    folder = forced or os.path.join(base, "colibri", "usage")
+    folder = forced or os.path.join(base, "colibri", cache_subdir)
     os.makedirs(folder, exist_ok=True)
     digest = hashlib.sha256(model_dir.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return os.path.join(folder, digest + ".txt")
+    return os.path.join(folder, digest + ext)
 
 
 def choose_pins(counts, budget_bytes, expert_bytes_by_row) -> list:
