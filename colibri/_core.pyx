@@ -52,6 +52,12 @@ cdef extern from "coli_kernels.h" nogil:
     float coli_rowdot2s_i4(const uint8_t *w, const int8_t *q1, const float *xs1, const int32_t *s1,
                            const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block)
     void coli_block_sums(const int8_t *q, int n, int block, int32_t *s)
+    void coli_rowdot2s_i4_x4(const uint8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
+                             const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
+                             float *out)
+    void coli_rowdot2s_i8_x4(const int8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
+                             const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
+                             float *out)
 
 cdef extern from "coli_prefetch.h" nogil:
     void coli_prefetch_row(const void *p, Py_ssize_t nbytes)
@@ -233,9 +239,25 @@ cdef enum:
 # vpdpbusd per 64 weights and activation row (bit-identical; COLIBRI_BLOCK_SUMS=0 turns it off, for
 # A/B measurements).
 cdef bint BLOCK_SUMS = os.environ.get("COLIBRI_BLOCK_SUMS", "1") != "0"
+# Decode matmuls take four weight rows per kernel call (int_group); COLIBRI_GROUP_KERNELS=0 makes
+# them one row per call, for A/B measurements (bit-identical either way).
+cdef bint GROUP_KERNELS = os.environ.get("COLIBRI_GROUP_KERNELS", "1") != "0"
+
+
+def set_kernel_flags(block_sums=None, group_kernels=None):
+    """Switch the bit-identical kernel variants at run time (for A/B benchmarks in one process);
+    returns the flags now in force."""
+    global BLOCK_SUMS, GROUP_KERNELS
+    if block_sums is not None:
+        BLOCK_SUMS = bool(block_sums)
+    if group_kernels is not None:
+        GROUP_KERNELS = bool(group_kernels)
+    return {"block_sums": bool(BLOCK_SUMS), "group_kernels": bool(GROUP_KERNELS)}
 
 cdef enum:
     PREFETCH_ROWS = 4   # weight rows prefetched ahead of the one being multiplied
+    GROUP_ROWS = 4      # weight rows per work item of the integer matmuls (see int_group)
+    PREFETCH_GROUPS = 2 # groups prefetched ahead of the one being multiplied
 
 
 cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const float *xs, int nb, int blk,
@@ -275,6 +297,38 @@ cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const flo
                                     nb, R, I, blk, r2)
         for r in range(R):
             y[<Py_ssize_t>(s0 + r) * O + o] = ((r1[r] + r2[r]) if idot == IDOT_Q8X2 else r1[r]) * W.s[o]
+
+
+cdef inline int n_groups(int O) noexcept nogil:
+    """Work items of an integer matmul with O output rows (GROUP_ROWS rows each, the last partial)."""
+    return (O + GROUP_ROWS - 1) // GROUP_ROWS
+
+
+cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const float *xs, int nb, int blk,
+                           int idot, float *y, const int32_t *xsum=NULL) noexcept nogil:
+    """Output columns GROUP_ROWS·grp .. (the group's rows < W.O) of an integer-path matmul for all
+    S activation rows, prefetching the weights PREFETCH_GROUPS groups ahead. A single decode row
+    with its activation block sums known takes the four-row kernels (one pass over the activations
+    for four weight rows; bit-identical to int_row per column); anything else is int_row per column."""
+    cdef float r4[GROUP_ROWS]
+    cdef int o0 = grp * GROUP_ROWS, r, ahead = o0 + PREFETCH_GROUPS * GROUP_ROWS
+    cdef int n = W.O - o0 if W.O - o0 < GROUP_ROWS else GROUP_ROWS
+    cdef Py_ssize_t off2 = <Py_ssize_t>S * W.I, soff2 = <Py_ssize_t>S * nb
+    cdef const uint8_t *row = W.q + <Py_ssize_t>o0 * W.rb
+    if ahead < W.O:
+        coli_prefetch_row(W.q + <Py_ssize_t>ahead * W.rb,
+                          (GROUP_ROWS if W.O - ahead > GROUP_ROWS else W.O - ahead) * W.rb)
+    if n == GROUP_ROWS and S == 1 and idot == IDOT_Q8X2 and xsum != NULL and GROUP_KERNELS:
+        if W.fmt == FMT_I4:
+            coli_rowdot2s_i4_x4(row, W.rb, xq, xs, xsum, xq + off2, xs + soff2, xsum + soff2, W.I, blk, r4)
+        else:
+            coli_rowdot2s_i8_x4(<const int8_t *>row, W.rb, xq, xs, xsum, xq + off2, xs + soff2, xsum + soff2,
+                                W.I, blk, r4)
+        for r in range(GROUP_ROWS):
+            y[o0 + r] = r4[r] * W.s[o0 + r]
+        return
+    for r in range(n):
+        int_row(W, o0 + r, S, xq, xs, nb, blk, idot, y, xsum)
 
 
 cdef inline void quant_row(const float *x, int n, int blk, int idot, int8_t *q1, float *s1,
@@ -317,10 +371,8 @@ cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
                       xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb, xr,
                       xsum + <Py_ssize_t>s * nb if xsum != NULL else NULL,
                       xsum + <Py_ssize_t>(S + s) * nb if xsum != NULL else NULL)
-        for o in prange(O, schedule='static', nogil=True, num_threads=nt):
-            if o + PREFETCH_ROWS < O:
-                coli_prefetch_row(W.q + <Py_ssize_t>(o + PREFETCH_ROWS) * W.rb, W.rb)
-            int_row(W, o, S, xq, xs, nb, blk, idot, y, xsum)
+        for o in prange(n_groups(O), schedule='static', nogil=True, num_threads=nt):
+            int_group(W, o, S, xq, xs, nb, blk, idot, y, xsum)
         return
     for o in prange(O, schedule='static', nogil=True, num_threads=nt):
         for s in range(S):
@@ -371,8 +423,8 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
                     int32_t *xm, int32_t *hm) noexcept nogil:
     """out[urow[p], :] += uw[p] · FFN_j(x[urow[p], :]) for every pair p of every job j, in job
     order. Four phases separated by barriers: quantize the inputs; gate and up rows of every FFN
-    (one work item per weight row); silu(g)·u, quantized; down rows, one output column per item,
-    summing the FFNs in job order. Each value is computed by one thread with the same kernels and
+    (one work item per group of GROUP_ROWS weight rows, int_group); silu(g)·u, quantized; down
+    rows, GROUP_ROWS output columns per item, summing the FFNs in job order. Each value is computed by one thread with the same kernels and
     the same order as the unfused path (matmul_qt per FFN, then out += w · y), so the results are
     bit-identical to it and independent of the thread count."""
     cdef int p, w, o, k, j, r, i, t, nbD = act_nblocks(D, block)
@@ -391,15 +443,12 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
         for w in prange(nwork, schedule='static'):
             J = &jobs[job_of(jobs, nj, w, True)]
             k = w - J.w0
-            if k < J.I:
-                if k + PREFETCH_ROWS < J.I:
-                    coli_prefetch_row(J.gate.q + <Py_ssize_t>(k + PREFETCH_ROWS) * J.gate.rb, J.gate.rb)
-                int_row(J.gate, k, J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, g + J.h0, (xm + J.xs0) if xm != NULL else NULL)
+            if k < n_groups(J.I):
+                int_group(J.gate, k, J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, g + J.h0,
+                          (xm + J.xs0) if xm != NULL else NULL)
             else:
-                k = k - J.I
-                if k + PREFETCH_ROWS < J.I:
-                    coli_prefetch_row(J.up.q + <Py_ssize_t>(k + PREFETCH_ROWS) * J.up.rb, J.up.rb)
-                int_row(J.up, k, J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, u + J.h0, (xm + J.xs0) if xm != NULL else NULL)
+                int_group(J.up, k - n_groups(J.I), J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, u + J.h0,
+                          (xm + J.xs0) if xm != NULL else NULL)
         for p in prange(npairs, schedule='static'):
             J = &jobs[job_of(jobs, nj, p, False)]
             r = p - J.row0
@@ -410,16 +459,16 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
                       hq + J.hq0 + <Py_ssize_t>(J.nr + r) * J.I, hs + J.hs0 + <Py_ssize_t>(J.nr + r) * J.nbI,
                       xr + t * xr_stride, (hm + J.hs0 + <Py_ssize_t>r * J.nbI) if hm != NULL else NULL,
                       (hm + J.hs0 + <Py_ssize_t>(J.nr + r) * J.nbI) if hm != NULL else NULL)
-        for o in prange(D, schedule='static'):
+        for o in prange(n_groups(D), schedule='static'):
             for j in range(nj):
                 J = &jobs[j]
-                if o + PREFETCH_ROWS < D:
-                    coli_prefetch_row(J.down.q + <Py_ssize_t>(o + PREFETCH_ROWS) * J.down.rb, J.down.rb)
-                int_row(J.down, o, J.nr, hq + J.hq0, hs + J.hs0, J.nbI, J.blkI, idot, yd + J.y0, (hm + J.hs0) if hm != NULL else NULL)
-            for j in range(nj):
-                J = &jobs[j]
-                for r in range(J.nr):
-                    out[<Py_ssize_t>urow[J.row0 + r] * D + o] += uw[J.row0 + r] * yd[J.y0 + <Py_ssize_t>r * D + o]
+                int_group(J.down, o, J.nr, hq + J.hq0, hs + J.hs0, J.nbI, J.blkI, idot, yd + J.y0,
+                          (hm + J.hs0) if hm != NULL else NULL)
+            for i in range(o * GROUP_ROWS, min(o * GROUP_ROWS + GROUP_ROWS, D)):
+                for j in range(nj):
+                    J = &jobs[j]
+                    for r in range(J.nr):
+                        out[<Py_ssize_t>urow[J.row0 + r] * D + i] += uw[J.row0 + r] * yd[J.y0 + <Py_ssize_t>r * D + i]
 
 
 cdef class FfnScratch:
@@ -652,11 +701,13 @@ def matmul(QT W, x, int block=0, int idot=IDOT_Q8X2):
     xq = np.empty(2 * S * W.c.I, np.int8)
     xs = np.empty(2 * S * act_nblocks(W.c.I, block), np.float32)
     xr = np.empty(W.c.I, np.float32)
+    xm = np.empty(2 * S * act_nblocks(W.c.I, block), np.int32)
     cdef float[:, ::1] xv = x
     cdef float[:, ::1] yv = y
     cdef int8_t[::1] qv = xq
     cdef float[::1] sv = xs, rv = xr
-    matmul_qt(&W.c, &xv[0, 0], S, &yv[0, 0], &qv[0], &sv[0], &rv[0], block, idot)
+    cdef int32_t[::1] mv = xm
+    matmul_qt(&W.c, &xv[0, 0], S, &yv[0, 0], &qv[0], &sv[0], &rv[0], block, idot, &mv[0] if BLOCK_SUMS else NULL)
     return y
 
 
@@ -1285,7 +1336,7 @@ cdef class Model:
             hq0 += 2 * nr * J.I
             hs0 += 2 * nr * J.nbI
             y0 += nr * D
-            nwork += 2 * J.I
+            nwork += 2 * n_groups(J.I)
         cdef double macs = 3.0 * <double>h0 * D
         cdef int nt = 1 if macs < FUSED_MIN_MACS else coli_max_threads()
         cdef int block = self.act_block, idot = self.idot
@@ -1478,11 +1529,14 @@ cdef class Model:
         xq = np.empty(2 * S * self.cfg.hidden, np.int8)
         xs = np.empty(2 * S * self.cfg.hidden, np.float32)
         xr = np.empty(self.cfg.hidden, np.float32)
+        xm = np.empty(2 * S * self.cfg.hidden, np.int32)
         cdef float[:, ::1] hv = h, lv = logits
         cdef int8_t[::1] qv = xq
         cdef float[::1] sv = xs, rv = xr
+        cdef int32_t[::1] mv = xm
         with nogil:
-            matmul_qt(&self.lm_head.c, &hv[0, 0], S, &lv[0, 0], &qv[0], &sv[0], &rv[0], self.act_block, self.idot)
+            matmul_qt(&self.lm_head.c, &hv[0, 0], S, &lv[0, 0], &qv[0], &sv[0], &rv[0], self.act_block, self.idot,
+                      &mv[0] if BLOCK_SUMS else NULL)
         if np.isnan(logits).any():
             raise EngineError("NaN in the logits (non-finite activations or weights)")
         return logits

@@ -49,13 +49,20 @@ typedef struct coli_kernel_table {
                            long sstride, int R, int n, int block, float *out);
     float (*rowdot2s_i4)(const uint8_t *w_packed, const int8_t *q1, const float *xs1, const int32_t *s1,
                          const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block);
+    void (*rowdot2s_i4_x4)(const uint8_t *w_packed, long rb, const int8_t *q1, const float *xs1,
+                           const int32_t *s1, const int8_t *q2, const float *xs2, const int32_t *s2,
+                           int n, int block, float *out);
+    void (*rowdot2s_i8_x4)(const int8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
+                           const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
+                           float *out);
 } coli_kernel_table;
 
 #define COLI_KERNEL_TABLE(isa, sfx)                                                       \
     { isa, coli_dot_i8i8_##sfx, coli_dot_i4i8_##sfx, coli_rowdot_i8_##sfx,               \
       coli_rowdot_i4_##sfx, coli_dot_f32_##sfx, coli_dot_q8f32_##sfx, coli_dot_q4f32_##sfx, \
       coli_quantize_q8_##sfx, coli_rowdot2_i8_##sfx, coli_rowdot2_i4_##sfx,                  \
-      coli_rowdot_i8_rows_##sfx, coli_rowdot_i4_rows_##sfx, coli_rowdot2s_i4_##sfx }
+      coli_rowdot_i8_rows_##sfx, coli_rowdot_i4_rows_##sfx, coli_rowdot2s_i4_##sfx,            \
+      coli_rowdot2s_i4_x4_##sfx, coli_rowdot2s_i8_x4_##sfx }
 
 static const coli_kernel_table coli_kernels_by_isa[] = {
     COLI_KERNEL_TABLE(COLI_ISA_SCALAR, scalar),
@@ -165,6 +172,23 @@ static inline float coli_rowdot2s_i4(const uint8_t *w_packed, const int8_t *q1, 
                                      const int32_t *s2, int n, int block)
 {
     return coli_kt.rowdot2s_i4(w_packed, q1, xs1, s1, q2, xs2, s2, n, block);
+}
+
+/* Four consecutive weight rows (row r at w + r*rb bytes) against the idot=2 pair with its block
+ * sums: out[r] = coli_rowdot2s_i4(w + r*rb, ...) (int4) or coli_rowdot2_i8(w + r*rb, ...) (int8),
+ * bit-identical; the decode matmuls' unit of work (one pass over the activations for four rows). */
+static inline void coli_rowdot2s_i4_x4(const uint8_t *w_packed, long rb, const int8_t *q1, const float *xs1,
+                                       const int32_t *s1, const int8_t *q2, const float *xs2,
+                                       const int32_t *s2, int n, int block, float *out)
+{
+    coli_kt.rowdot2s_i4_x4(w_packed, rb, q1, xs1, s1, q2, xs2, s2, n, block, out);
+}
+
+static inline void coli_rowdot2s_i8_x4(const int8_t *w, long rb, const int8_t *q1, const float *xs1,
+                                       const int32_t *s1, const int8_t *q2, const float *xs2,
+                                       const int32_t *s2, int n, int block, float *out)
+{
+    coli_kt.rowdot2s_i8_x4(w, rb, q1, xs1, s1, q2, xs2, s2, n, block, out);
 }
 
 /* s[b] = sum of the int8 activations of each block (the input of coli_rowdot2s_i4) */

@@ -133,6 +133,49 @@ def test_matmul_rows_independent_of_batch(isa):
             np.testing.assert_array_equal(_core.matmul(qt, x[s:s + 1])[0], full[s])
 
 
+@pytest.fixture
+def kernel_flags():
+    before = _core.set_kernel_flags()
+    yield _core.set_kernel_flags
+    _core.set_kernel_flags(**before)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block", [0, 64])
+def test_four_row_kernels_are_bit_identical(isa, bits, block, kernel_flags):
+    """Decode matmuls take four weight rows per kernel call (with the activations' block sums);
+    every output equals the one-row kernels' bit for bit, for partial last groups and tails too."""
+    rng = np.random.default_rng(6)
+    for O, I in [(1, 64), (3, 100), (4, 64), (37, 130), (64, 512), (13, 1000), (8, 1025), (9, 4097)]:
+        W = rng.standard_normal((O, I)).astype(np.float32)
+        x = rng.standard_normal((1, I)).astype(np.float32) * np.float32(rng.uniform(0.1, 10))
+        payload, scale, _ = quant.quantize(W, bits)
+        qt = _core.QT.from_packed(payload, scale, O, I)
+        kernel_flags(block_sums=True, group_kernels=True)
+        grouped = _core.matmul(qt, x, block=block)
+        kernel_flags(block_sums=True, group_kernels=False)
+        one_row_sums = _core.matmul(qt, x, block=block)
+        kernel_flags(block_sums=False, group_kernels=False)
+        one_row = _core.matmul(qt, x, block=block)
+        np.testing.assert_array_equal(grouped, one_row_sums, err_msg=f"{O}x{I}")
+        np.testing.assert_array_equal(grouped, one_row, err_msg=f"{O}x{I}")
+
+
+def test_int8_four_row_kernel_extremes(isa, kernel_flags):
+    """The int8 four-row kernel biases the weights by 128 and corrects with the activation sums:
+    exact at the extremes (weights -128 / 127, activations ±127, long rows)."""
+    n = 4096
+    for wv, xv in [(-128, -127), (127, 127), (-128, 127)]:
+        payload = np.full((4, n), wv, np.int8).view(np.uint8).reshape(-1)
+        qt = _core.QT.from_packed(payload, np.ones(4, np.float32), 4, n)
+        x = np.full((1, n), xv, np.float32)
+        kernel_flags(block_sums=True, group_kernels=True)
+        grouped = _core.matmul(qt, x, idot=2)
+        kernel_flags(block_sums=False, group_kernels=False)
+        np.testing.assert_array_equal(grouped, _core.matmul(qt, x, idot=2))
+        np.testing.assert_allclose(grouped, float(wv) * xv * n, rtol=1e-6)
+
+
 def test_matmul_rejects_bad_shapes():
     qt = _core.QT.from_f32(np.ones((4, 8), np.float32))
     with pytest.raises(ValueError):
