@@ -242,22 +242,25 @@ cdef bint BLOCK_SUMS = os.environ.get("COLIBRI_BLOCK_SUMS", "1") != "0"
 # Decode matmuls take four weight rows per kernel call (int_group); COLIBRI_GROUP_KERNELS=0 makes
 # them one row per call, for A/B measurements (bit-identical either way).
 cdef bint GROUP_KERNELS = os.environ.get("COLIBRI_GROUP_KERNELS", "1") != "0"
+cdef int PREFETCH_GROUPS = int(os.environ.get("COLIBRI_PREFETCH_GROUPS", "4"))
 
 
-def set_kernel_flags(block_sums=None, group_kernels=None):
+def set_kernel_flags(block_sums=None, group_kernels=None, prefetch_groups=None):
     """Switch the bit-identical kernel variants at run time (for A/B benchmarks in one process);
     returns the flags now in force."""
-    global BLOCK_SUMS, GROUP_KERNELS
+    global BLOCK_SUMS, GROUP_KERNELS, PREFETCH_GROUPS
     if block_sums is not None:
         BLOCK_SUMS = bool(block_sums)
     if group_kernels is not None:
         GROUP_KERNELS = bool(group_kernels)
-    return {"block_sums": bool(BLOCK_SUMS), "group_kernels": bool(GROUP_KERNELS)}
+    if prefetch_groups is not None:
+        PREFETCH_GROUPS = max(int(prefetch_groups), 0)
+    return {"block_sums": bool(BLOCK_SUMS), "group_kernels": bool(GROUP_KERNELS),
+            "prefetch_groups": PREFETCH_GROUPS}
 
 cdef enum:
     PREFETCH_ROWS = 4   # weight rows prefetched ahead of the one being multiplied
     GROUP_ROWS = 4      # weight rows per work item of the integer matmuls (see int_group)
-    PREFETCH_GROUPS = 2 # groups prefetched ahead of the one being multiplied
 
 
 cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const float *xs, int nb, int blk,
@@ -315,7 +318,7 @@ cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const
     cdef int n = W.O - o0 if W.O - o0 < GROUP_ROWS else GROUP_ROWS
     cdef Py_ssize_t off2 = <Py_ssize_t>S * W.I, soff2 = <Py_ssize_t>S * nb
     cdef const uint8_t *row = W.q + <Py_ssize_t>o0 * W.rb
-    if ahead < W.O:
+    if PREFETCH_GROUPS > 0 and ahead < W.O:
         coli_prefetch_row(W.q + <Py_ssize_t>ahead * W.rb,
                           (GROUP_ROWS if W.O - ahead > GROUP_ROWS else W.O - ahead) * W.rb)
     if n == GROUP_ROWS and S == 1 and idot == IDOT_Q8X2 and xsum != NULL and GROUP_KERNELS:
