@@ -61,6 +61,12 @@ def _choose_wait_policy():
 #: The OpenMP wait policy this process chose (see above).
 WAIT_POLICY = _choose_wait_policy()
 
+# numpy's OpenBLAS keeps a pool of threads, one per core, that spin for a while after each BLAS
+# call; the engine threads with OpenMP and calls no BLAS per token, so on a 2-core machine such a
+# pool only competes with the OpenMP team (it showed up as ~2% of decode samples). One BLAS thread
+# unless the user chose otherwise; it takes effect when numpy is first imported, i.e. below.
+_os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 
 def _find_installed_extension():
     """When colibri is imported from a source checkout (e.g. ``python -m colibri`` run in the

@@ -52,6 +52,9 @@ cdef extern from "coli_kernels.h" nogil:
     float coli_rowdot2s_i4(const uint8_t *w, const int8_t *q1, const float *xs1, const int32_t *s1,
                            const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block)
     void coli_block_sums(const int8_t *q, int n, int block, int32_t *s)
+    void coli_axpy_f32(float *y, float c, const float *x, int n)
+    void coli_axpy_q8f32(float *y, float c, const int8_t *w, int n)
+    void coli_axpy_q4f32(float *y, float c, const uint8_t *w, int n)
     void coli_rowdot2s_i4_x4(const uint8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
                              const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
                              float *out)
@@ -191,24 +194,16 @@ cdef inline void qt_addrow(const QTc *W, int row, float c, float *acc) noexcept 
     """acc[:] += c · W[row, :] (dequantized)."""
     cdef const uint8_t *p
     cdef int i, I = W.I
-    cdef const float *f
     cdef float cs
     if W.fmt == FMT_F32:
-        f = W.f + <Py_ssize_t>row * I
-        for i in range(I):
-            acc[i] += c * f[i]
+        coli_axpy_f32(acc, c, W.f + <Py_ssize_t>row * I, I)
         return
     p = W.q + <Py_ssize_t>row * W.rb
     cs = c * W.s[row]
     if W.fmt == FMT_I8:
-        for i in range(I):
-            acc[i] += cs * <float>(<const int8_t *>p)[i]
+        coli_axpy_q8f32(acc, cs, <const int8_t *>p, I)
     elif W.fmt == FMT_I4:
-        for i in range(I >> 1):      # byte i: element 2i in the low nibble, 2i+1 in the high one
-            acc[2 * i] += cs * <float>((p[i] & 15) - 8)
-            acc[2 * i + 1] += cs * <float>((p[i] >> 4) - 8)
-        if I & 1:
-            acc[I - 1] += cs * <float>((p[I >> 1] & 15) - 8)
+        coli_axpy_q4f32(acc, cs, p, I)
     else:
         for i in range(I):
             acc[i] += cs * <float>(((p[i >> 2] >> (2 * (i & 3))) & 3) - 2)
@@ -427,9 +422,10 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
     """out[urow[p], :] += uw[p] · FFN_j(x[urow[p], :]) for every pair p of every job j, in job
     order. Four phases separated by barriers: quantize the inputs; gate and up rows of every FFN
     (one work item per group of GROUP_ROWS weight rows, int_group); silu(g)·u, quantized; down
-    rows, GROUP_ROWS output columns per item, summing the FFNs in job order. Each value is computed by one thread with the same kernels and
-    the same order as the unfused path (matmul_qt per FFN, then out += w · y), so the results are
-    bit-identical to it and independent of the thread count."""
+    rows, GROUP_ROWS output columns per item, summing the FFNs in job order. Each value is
+    computed by one thread with the same kernels and the same order as the unfused path (matmul_qt
+    per FFN, then out += w · y), so the results are bit-identical to it and independent of the
+    thread count."""
     cdef int p, w, o, k, j, r, i, t, nbD = act_nblocks(D, block)
     cdef int blkD = D if nbD == 1 else block
     cdef const FfnJob *J
@@ -663,6 +659,36 @@ def dot_i4i8(w_packed, x):
     if wv.shape[0] != (xv.shape[0] + 1) // 2 or xv.shape[0] == 0:
         raise ValueError("dot_i4i8: packed length must be ceil(n/2)")
     return coli_dot_i4i8(&wv[0], &xv[0], xv.shape[0])
+
+
+def axpy(y, float c, x, int n=-1):
+    """y + c·x through the dispatched element-wise kernels (tests): x float32, int8, or packed
+    int4 (uint8, n elements, stored u = v + 8)."""
+    cdef float[::1] yv = np.array(y, dtype=np.float32)
+    cdef int m = yv.shape[0]
+    cdef float[::1] xf
+    cdef int8_t[::1] x8
+    cdef uint8_t[::1] x4
+    x = np.ascontiguousarray(x)
+    if m == 0:
+        raise ValueError("axpy: empty row")
+    if x.dtype == np.float32 or x.dtype == np.int8:
+        if x.shape[0] != m:
+            raise ValueError("axpy: lengths differ")
+        if x.dtype == np.float32:
+            xf = x
+            coli_axpy_f32(&yv[0], c, &xf[0], m)
+        else:
+            x8 = x
+            coli_axpy_q8f32(&yv[0], c, &x8[0], m)
+    elif x.dtype == np.uint8:
+        if x.shape[0] != (m + 1) // 2:
+            raise ValueError("axpy: packed length must be ceil(n/2)")
+        x4 = x
+        coli_axpy_q4f32(&yv[0], c, &x4[0], m)
+    else:
+        raise ValueError(f"axpy: unsupported dtype {x.dtype}")
+    return np.asarray(yv)
 
 
 def quantize_q8(x, int block=0):
@@ -1843,9 +1869,7 @@ cdef void attend_expanded(const float *q, const float *kvb, const float *Rc, con
     for j in range(nk):
         t = sel[j] if nsel > 0 else k0 + j
         row = kvb + <Py_ssize_t>t * W + h * (dn + dv) + dn
-        p = sc[j]
-        for i in range(dv):
-            o[i] += p * row[i]
+        coli_axpy_f32(o, sc[j], row, dv)
 
 
 cdef void attend_absorbed(const QTc *kv_b, const float *q, const float *Lc, const float *Rc,
@@ -1873,10 +1897,7 @@ cdef void attend_absorbed(const QTc *kv_b, const float *q, const float *Lc, cons
     softmax_inplace(sc, nk)
     for j in range(nk):
         t = sel[j] if nsel > 0 else k0 + j
-        p = sc[j]
-        lrow = Lc + <Py_ssize_t>t * Lkv
-        for i in range(Lkv):
-            clat[i] += p * lrow[i]
+        coli_axpy_f32(clat, sc[j], Lc + <Py_ssize_t>t * Lkv, Lkv)
     for i in range(dv):
         ctx[h * dv + i] = qt_rowdot_f(kv_b, base + dn + i, clat)
 

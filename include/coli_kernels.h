@@ -25,6 +25,7 @@
 #include "coli_dot_i8.h"
 #include "coli_dot_i4.h"
 #include "coli_dot_f32.h"
+#include "coli_axpy.h"
 #include "coli_quant.h"
 
 enum { COLI_ISA_SCALAR = 0, COLI_ISA_AVX2 = 1, COLI_ISA_AVX512VNNI = 2 };
@@ -55,6 +56,9 @@ typedef struct coli_kernel_table {
     void (*rowdot2s_i8_x4)(const int8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
                            const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
                            float *out);
+    void (*axpy_f32)(float *y, float c, const float *x, int n);
+    void (*axpy_q8f32)(float *y, float c, const int8_t *w, int n);
+    void (*axpy_q4f32)(float *y, float c, const uint8_t *w_packed, int n);
 } coli_kernel_table;
 
 #define COLI_KERNEL_TABLE(isa, sfx)                                                       \
@@ -62,7 +66,8 @@ typedef struct coli_kernel_table {
       coli_rowdot_i4_##sfx, coli_dot_f32_##sfx, coli_dot_q8f32_##sfx, coli_dot_q4f32_##sfx, \
       coli_quantize_q8_##sfx, coli_rowdot2_i8_##sfx, coli_rowdot2_i4_##sfx,                  \
       coli_rowdot_i8_rows_##sfx, coli_rowdot_i4_rows_##sfx, coli_rowdot2s_i4_##sfx,            \
-      coli_rowdot2s_i4_x4_##sfx, coli_rowdot2s_i8_x4_##sfx }
+      coli_rowdot2s_i4_x4_##sfx, coli_rowdot2s_i8_x4_##sfx, coli_axpy_f32_##sfx,            \
+      coli_axpy_q8f32_##sfx, coli_axpy_q4f32_##sfx }
 
 static const coli_kernel_table coli_kernels_by_isa[] = {
     COLI_KERNEL_TABLE(COLI_ISA_SCALAR, scalar),
@@ -189,6 +194,23 @@ static inline void coli_rowdot2s_i8_x4(const int8_t *w, long rb, const int8_t *q
                                        const int32_t *s2, int n, int block, float *out)
 {
     coli_kt.rowdot2s_i8_x4(w, rb, q1, xs1, s1, q2, xs2, s2, n, block, out);
+}
+
+/* y[i] += c * x[i] (x float / int8 / packed int4 - 8), element by element, bit-identical across
+ * ISAs (coli_axpy.h) */
+static inline void coli_axpy_f32(float *y, float c, const float *x, int n)
+{
+    coli_kt.axpy_f32(y, c, x, n);
+}
+
+static inline void coli_axpy_q8f32(float *y, float c, const int8_t *w, int n)
+{
+    coli_kt.axpy_q8f32(y, c, w, n);
+}
+
+static inline void coli_axpy_q4f32(float *y, float c, const uint8_t *w_packed, int n)
+{
+    coli_kt.axpy_q4f32(y, c, w_packed, n);
 }
 
 /* s[b] = sum of the int8 activations of each block (the input of coli_rowdot2s_i4) */

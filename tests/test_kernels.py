@@ -133,6 +133,21 @@ def test_matmul_rows_independent_of_batch(isa):
             np.testing.assert_array_equal(_core.matmul(qt, x[s:s + 1])[0], full[s])
 
 
+def test_axpy_bit_identical_to_numpy(isa):
+    """y += c·x element by element, the product rounded before the add: numpy's float32 y + c*x."""
+    rng = np.random.default_rng(7)
+    for n in SIZES:
+        y = rng.standard_normal(n).astype(np.float32)
+        c = np.float32(rng.standard_normal())
+        xf = rng.standard_normal(n).astype(np.float32)
+        np.testing.assert_array_equal(_core.axpy(y, c, xf), y + c * xf, err_msg=str(n))
+        x8 = rng.integers(-128, 128, n).astype(np.int8)
+        np.testing.assert_array_equal(_core.axpy(y, c, x8), y + c * x8.astype(np.float32), err_msg=str(n))
+        v4 = rng.integers(-8, 8, n)
+        packed = quant.pack_int4(v4.reshape(1, n)).reshape(-1)
+        np.testing.assert_array_equal(_core.axpy(y, c, packed), y + c * v4.astype(np.float32), err_msg=str(n))
+
+
 @pytest.fixture
 def kernel_flags():
     before = _core.set_kernel_flags()
