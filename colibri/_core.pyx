@@ -395,6 +395,8 @@ cdef struct FfnJob:
     const QTc *up
     const QTc *down
     int nr, I, row0, w0                 # rows, intermediate width, first pair, first gate/up item
+                                        # (row0, w0: within its group, see ffn_group)
+    int pabs                            # first pair in the scratch's pair arrays
     int nbI, blkI                       # activation blocks of its hidden rows
     Py_ssize_t x0, xs0                  # its quantized inputs [2·nr, D] and their scales
     Py_ssize_t h0                       # its hidden g/u [nr, I]
@@ -418,9 +420,9 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
                     const int *urow, const float *uw, int block, int idot,
                     int8_t *xq, float *xs, float *g, float *u, int8_t *hq, float *hs, float *yd,
                     float *xr, Py_ssize_t xr_stride, float *out, int nt,
-                    int32_t *xm, int32_t *hm) noexcept nogil:
+                    int32_t *xm, int32_t *hm, bint accumulate=True) noexcept nogil:
     """out[urow[p], :] += uw[p] · FFN_j(x[urow[p], :]) for every pair p of every job j, in job
-    order. Four phases separated by barriers: quantize the inputs; gate and up rows of every FFN
+    order (accumulate=False: only the FFN outputs, left in yd for ffn_accumulate). Four phases separated by barriers: quantize the inputs; gate and up rows of every FFN
     (one work item per group of GROUP_ROWS weight rows, int_group); silu(g)·u, quantized; down
     rows, GROUP_ROWS output columns per item, summing the FFNs in job order. Each value is
     computed by one thread with the same kernels and the same order as the unfused path (matmul_qt
@@ -463,11 +465,28 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
                 J = &jobs[j]
                 int_group(J.down, o, J.nr, hq + J.hq0, hs + J.hs0, J.nbI, J.blkI, idot, yd + J.y0,
                           (hm + J.hs0) if hm != NULL else NULL)
+            if not accumulate:
+                continue
             for i in range(o * GROUP_ROWS, min(o * GROUP_ROWS + GROUP_ROWS, D)):
                 for j in range(nj):
                     J = &jobs[j]
                     for r in range(J.nr):
                         out[<Py_ssize_t>urow[J.row0 + r] * D + i] += uw[J.row0 + r] * yd[J.y0 + <Py_ssize_t>r * D + i]
+
+
+cdef void ffn_accumulate(const FfnJob *jobs, const int *order, int nj, const int *urow, const float *uw,
+                         int D, const float *yd, float *out, int nt) noexcept nogil:
+    """out[urow[p], :] += uw[p] · y_p for the pairs of jobs order[0], order[1], ... in that order
+    (pairs by their place in urow / uw): ffn_group's accumulation, for an MoE call computed as two
+    groups (the experts present first, those read from disk meanwhile after), so the sum is the
+    one a single group makes, bit for bit."""
+    cdef int i, j, r
+    cdef const FfnJob *J
+    for i in prange(D, schedule='static', nogil=True, num_threads=nt):
+        for j in range(nj):
+            J = &jobs[order[j]]
+            for r in range(J.nr):
+                out[<Py_ssize_t>urow[J.pabs + r] * D + i] += uw[J.pabs + r] * yd[J.y0 + <Py_ssize_t>r * D + i]
 
 
 cdef class FfnScratch:
@@ -883,10 +902,12 @@ cdef class Model:
     cdef public long long bytes_read, forwards, decode_forwards, emitted
     cdef public object trace                      # None, or a list that collects (forward, layer, rows, experts)
     cdef public double t_disk, t_attn, t_moe
+    cdef public long overlapped_calls   # MoE calls that multiplied present experts during reads
     # Scratch
     cdef Work _ws
     cdef FfnScratch _fs
     cdef public bint fused                        # run MoE / dense MLP calls of <= FUSED_MAX_ROWS rows fused
+    cdef public bint overlap                      # multiply present experts while the others are read
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -1332,47 +1353,61 @@ cdef class Model:
             self._fs = fs
         return fs
 
-    def _ffn_fused(self, ffns, float[:, ::1] n, int S, float[:, ::1] out, rows):
+    def _ffn_fused(self, ffns, float[:, ::1] n, int S, float[:, ::1] out, rows, int j0=0,
+                   bint accumulate=True):
         """Run FFNs [(gate, up, down, first pair, pairs)] as one fused group (ffn_group). rows:
-        (urow, uw) int32/float32 arrays of the pairs' input rows and weights; None = rows 0..S-1
-        with weight 1 for a single FFN."""
+        True = the caller filled fs.urow / fs.uw for these pairs; None = rows 0..S-1 with weight
+        1 for a single FFN. j0: the group's first job slot (a second group of one MoE call takes the
+        slots and pairs after the first's, whose results stay in the scratch); accumulate=False
+        leaves the outputs in the scratch for _ffn_accumulate. A job's scratch lies at its pairs'
+        place (pair p: inputs at 2p rows, hidden at p rows of the scratch's width), so the jobs
+        of both groups never overlap."""
         c = self.cfg
-        cdef int D = c.hidden, nj = len(ffns), j, npairs, nwork = 0, Imax = 0
+        cdef int D = c.hidden, nj = len(ffns), j, npairs, nwork = 0, Imax = 0, p0 = ffns[0][3]
         for f in ffns:
             Imax = max(Imax, (<QT>f[0]).c.O)
         npairs = sum(f[4] for f in ffns)
-        cdef FfnScratch fs = self._ffn_scratch(npairs, nj, Imax)
+        cdef FfnScratch fs = self._ffn_scratch(p0 + npairs, j0 + nj, Imax)
         cdef int r
         if rows is None:                  # one FFN on rows 0..S-1 with weight 1
             for r in range(S):
                 fs.p_urow[r] = r
                 fs.p_uw[r] = 1.0
-        # else: the caller filled fs.urow / fs.uw (see moe)
         cdef FfnJob *J
-        cdef Py_ssize_t x0 = 0, xs0 = 0, h0 = 0, hq0 = 0, hs0 = 0, y0 = 0
+        cdef Py_ssize_t W = fs.I, h = 0
         cdef int nbD = act_nblocks(D, self.act_block)
         for j in range(nj):
             gate, up, down, row0, nr = ffns[j]
-            J = &fs.jobs[j]
+            J = &fs.jobs[j0 + j]
             J.gate, J.up, J.down = &(<QT>gate).c, &(<QT>up).c, &(<QT>down).c
-            J.nr, J.I, J.row0, J.w0 = nr, (<QT>gate).c.O, row0, nwork
+            J.nr, J.I, J.row0, J.w0, J.pabs = nr, (<QT>gate).c.O, row0 - p0, nwork, row0
             J.nbI = act_nblocks(J.I, self.act_block)
             J.blkI = J.I if J.nbI == 1 else self.act_block
-            J.x0, J.xs0, J.h0, J.hq0, J.hs0, J.y0 = x0, xs0, h0, hq0, hs0, y0
-            x0 += 2 * nr * D
-            xs0 += 2 * nr * nbD
-            h0 += nr * J.I
-            hq0 += 2 * nr * J.I
-            hs0 += 2 * nr * J.nbI
-            y0 += nr * D
+            J.x0, J.xs0, J.y0 = 2 * row0 * D, 2 * row0 * nbD, row0 * D
+            J.h0, J.hq0, J.hs0 = row0 * W, 2 * row0 * W, 2 * row0 * W
+            h += nr * J.I
             nwork += 2 * n_groups(J.I)
-        cdef double macs = 3.0 * <double>h0 * D
+        cdef double macs = 3.0 * <double>h * D
         cdef int nt = 1 if macs < FUSED_MIN_MACS else coli_max_threads()
         cdef int block = self.act_block, idot = self.idot
         with nogil:
-            ffn_group(fs.jobs, nj, npairs, nwork, &n[0, 0], D, fs.p_urow, fs.p_uw, block, idot,
-                      fs.p_xq, fs.p_xs, fs.p_g, fs.p_u, fs.p_hq, fs.p_hs, fs.p_yd, fs.p_xr, fs.xr_stride,
-                      &out[0, 0], nt, fs.p_xm if BLOCK_SUMS else NULL, fs.p_hm if BLOCK_SUMS else NULL)
+            ffn_group(fs.jobs + j0, nj, npairs, nwork, &n[0, 0], D, fs.p_urow + p0, fs.p_uw + p0, block,
+                      idot, fs.p_xq, fs.p_xs, fs.p_g, fs.p_u, fs.p_hq, fs.p_hs, fs.p_yd, fs.p_xr,
+                      fs.xr_stride, &out[0, 0], nt, fs.p_xm if BLOCK_SUMS else NULL,
+                      fs.p_hm if BLOCK_SUMS else NULL, accumulate)
+
+    def _ffn_accumulate(self, order, float[:, ::1] out):
+        """out += the outputs of the scratch's jobs, in the job slots' order `order` (see
+        ffn_accumulate)."""
+        cdef FfnScratch fs = self._fs
+        cdef int nj = len(order), j
+        cdef int[::1] ov = np.asarray(order, np.int32)
+        for j in range(nj):
+            if not 0 <= ov[j] < fs.max_jobs:
+                raise EngineError(f"job slot {ov[j]} outside the fused scratch")
+        cdef int nt = 1 if <double>nj * out.shape[1] < FUSED_MIN_MACS else coli_max_threads()
+        with nogil:
+            ffn_accumulate(fs.jobs, &ov[0], nj, fs.p_urow, fs.p_uw, out.shape[1], fs.p_yd, &out[0, 0], nt)
 
     cdef int _ffn(self, QT gate, QT up, QT down, const float *x, int S, float *out, Work ws) except -1:
         """out[S, D] = down · (silu(gate · x) ⊙ (up · x)), the hidden [S, I] kept in ws.g / ws.u."""
@@ -1419,8 +1454,20 @@ cdef class Model:
         cdef Expert X
         cdef int nr
         t0 = time.perf_counter()
-        experts = self.cache.get(L.index, [uniq[u] for u in range(nu)])
+        fetch = self.cache.fetch(L.index, [uniq[u] for u in range(nu)])
         self.t_disk += time.perf_counter() - t0
+        try:
+            if self.overlap and fetch.pending and self._moe_overlapped(L, fetch, n, S, out, ws, nu):
+                return
+            t0 = time.perf_counter()
+            experts = fetch.wait()
+            self.t_disk += time.perf_counter() - t0
+        except BaseException:
+            try:
+                fetch.wait()            # release the call's experts; its own error, if any, is secondary
+            except Exception:
+                pass
+            raise
         t0 = time.perf_counter()
         ffns = [((<Expert>X).gate, (<Expert>X).up, (<Expert>X).down) for X in experts]
         if L.gate is not None:
@@ -1464,6 +1511,68 @@ cdef class Model:
                 for s in range(S):
                     for i in range(D):
                         out[s, i] += yg[s, i]
+
+    def _moe_overlapped(self, Layer L, fetch, float[:, ::1] n, int S, float[:, ::1] out, Work ws, int nu):
+        """The fused MoE call while some of its experts are still being read (spec §7.5): the
+        experts already present and the shared expert are multiplied first, the others once
+        read, and the outputs are summed in the one-group order (ascending expert id, then the
+        shared expert), so the result is bit-identical to the plain call. Returns False, having
+        changed nothing in out, when the FFNs cannot be fused (the caller takes the plain path)."""
+        cdef int[::1] uniq = ws.uniq, ustart = ws.ustart, urow = ws.urow
+        cdef float[::1] uw = ws.uw
+        cdef int u, i, s, p = 0
+        ready = fetch.ready
+        shared = [(L.gate, L.up, L.down)] if L.gate is not None else []
+        first = [u for u in range(nu) if uniq[u] in ready]
+        later = [u for u in range(nu) if uniq[u] not in ready]
+        ffns_first = [((<Expert>ready[uniq[u]]).gate, (<Expert>ready[uniq[u]]).up,
+                       (<Expert>ready[uniq[u]]).down) for u in first] + shared
+        if not ffns_first or not self._fusable(S, ffns_first):
+            return False
+        # pairs (and job slots) in the order of computing: present experts, shared, later experts
+        cdef FfnScratch fs = self._ffn_scratch(ustart[nu] + S, nu + 1,
+                                               max((<QT>f[0]).c.O for f in ffns_first))
+        slot_of, jobs_first = {}, []
+        for u in first:
+            nr = ustart[u + 1] - ustart[u]
+            for i in range(nr):
+                fs.p_urow[p + i] = urow[ustart[u] + i]
+                fs.p_uw[p + i] = uw[ustart[u] + i]
+            slot_of[u] = len(jobs_first)
+            jobs_first.append(ffns_first[len(jobs_first)] + (p, nr))
+            p += nr
+        if shared:
+            for s in range(S):
+                fs.p_urow[p + s] = s
+                fs.p_uw[p + s] = 1.0
+            slot_of[nu] = len(jobs_first)
+            jobs_first.append(shared[0] + (p, S))
+            p += S
+        t0 = time.perf_counter()
+        self._ffn_fused(jobs_first, n, S, out, True, 0, False)
+        self.t_moe += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        experts = fetch.wait()
+        self.t_disk += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ffns_later = [((<Expert>experts[u]).gate, (<Expert>experts[u]).up, (<Expert>experts[u]).down)
+                      for u in later]
+        if not self._fusable(S, ffns_later):
+            return False
+        jobs_later = []
+        for k, u in enumerate(later):
+            nr = ustart[u + 1] - ustart[u]
+            for i in range(nr):
+                fs.p_urow[p + i] = urow[ustart[u] + i]
+                fs.p_uw[p + i] = uw[ustart[u] + i]
+            slot_of[u] = len(jobs_first) + k
+            jobs_later.append(ffns_later[k] + (p, nr))
+            p += nr
+        self._ffn_fused(jobs_later, n, S, out, True, len(jobs_first), False)
+        self._ffn_accumulate([slot_of[u] for u in range(nu)] + ([slot_of[nu]] if shared else []), out)
+        self.t_moe += time.perf_counter() - t0
+        self.overlapped_calls += 1
+        return True
 
     def layer_forward(self, Layer L, float[:, ::1] x, int S, int pos_base):
         """x[S, D] += attention(norm(x)); x += mlp(norm(x)) (spec §4.2)."""
@@ -1798,6 +1907,7 @@ cdef class Model:
         self.bytes_read = self.forwards = 0
         self.decode_forwards = self.emitted = 0
         self.t_disk = self.t_attn = self.t_moe = 0.0
+        self.overlapped_calls = 0
         self.cache.reset_stats()
         self._io.reset()
 
@@ -2074,6 +2184,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.act_block = act_block
     m.absorb = absorb
     m.fused = os.environ.get("COLIBRI_FUSED", "1") != "0"
+    m.overlap = os.environ.get("COLIBRI_OVERLAP", "1") != "0"     # 0: for A/B measurements
     m.dsa_force = dsa_force
     m.dense_bits = dense_bits
     m.expert_bits = expert_bits

@@ -60,7 +60,7 @@ import time
 
 import numpy as np
 
-__all__ = ["ExpertCache", "PREFETCH_QUEUE_MAX"]
+__all__ = ["ExpertCache", "Fetch", "PREFETCH_QUEUE_MAX"]
 
 PREFETCH_QUEUE_MAX = 4096           # pending prefetch entries; the oldest are dropped beyond this
 
@@ -94,6 +94,39 @@ class _Entry:
     def __init__(self, obj, prefetched=False):
         self.obj = obj
         self.prefetched = prefetched
+
+
+class Fetch:
+    """One get() in progress (ExpertCache.fetch). ``ready``: eid -> expert for the call's experts
+    that were pinned or cached when it started; ``wait()``: the call's experts in eids order (what
+    get() returns; loader errors are raised here). Waiting twice returns the same list."""
+    __slots__ = ("cache", "layer", "eids", "distinct", "found", "ready", "_waits", "_misses",
+                 "_futures", "_t_wait", "_result", "_finished")
+
+    def __init__(self, cache, layer, eids):
+        self.cache = cache
+        self.layer = layer
+        self.eids = eids
+        self.distinct = list(dict.fromkeys(eids))
+        self.found = {}
+        self.ready = {}
+        self._waits = self._misses = self._futures = ()
+        self._t_wait = 0.0
+        self._result = None
+        self._finished = False
+
+    @property
+    def pending(self) -> bool:
+        """Some of the call's experts were not present when it started."""
+        return self._result is None and len(self.ready) < len(self.distinct)
+
+    def wait(self) -> list:
+        if self._result is None:
+            if self._finished:
+                raise RuntimeError(f"the expert loads of layer {self.layer} failed (see the first error)")
+            self._finished = True
+            self._result = self.cache._finish(self)
+        return self._result
 
 
 def _with_context(exc, layer, eid):
@@ -351,16 +384,24 @@ class ExpertCache:
         order) and the row is trimmed back to ``capacity``; experts used by another get() in
         progress are never evicted.
         """
+        return self.fetch(layer, eids, inline=True).wait()
+
+    def fetch(self, layer: int, eids, inline: bool = False) -> "Fetch":
+        """get() in two steps: start the call and return at once with its ``Fetch``, whose
+        ``ready`` holds the experts present now (pinned or cached) and whose ``wait()`` returns
+        what get() returns, once the misses are read. The caller can multiply the ready experts
+        while the I/O pool reads the others. Every Fetch must be waited for (its experts are
+        protected from eviction until then). inline: a single miss is read on the calling thread
+        (get(): nothing to overlap with)."""
         layer = self._check_layer(layer)
         eids = self._check_eids(layer, eids)
+        f = Fetch(self, layer, eids)
         if not eids:
-            return []
-        distinct = list(dict.fromkeys(eids))
-        found = {}
-        lock = self._lock
+            f._result = []
+            return f
         st = self._st
-        pins, lru, busy = self._pins[layer], self._lru[layer], self._busy[layer]
-        with lock:
+        busy = self._busy[layer]
+        with self._lock:
             if self._closed:
                 raise RuntimeError("ExpertCache is closed")
             row = self.usage[layer]
@@ -379,101 +420,127 @@ class ExpertCache:
                         self._cond.notify_all()
             pred = self._pred.pop(layer, None)
             if pred is not None:
-                st["lookahead_true"] += len(distinct)
-                st["lookahead_hit"] += sum(1 for e in distinct if e in pred)
-            st["requests"] += len(distinct)
-            for e in distinct:
+                st["lookahead_true"] += len(f.distinct)
+                st["lookahead_hit"] += sum(1 for e in f.distinct if e in pred)
+            st["requests"] += len(f.distinct)
+            for e in f.distinct:
                 busy[e] = busy.get(e, 0) + 1
-        t_wait = 0.0
+        try:
+            self._start_round(f, f.distinct, inline)
+        except BaseException:
+            self._release(f)
+            raise
+        f.ready = dict(f.found)
+        return f
+
+    def _start_round(self, f, remaining, inline):
+        """Classify the experts `remaining` of fetch f: hits go to f.found; loads in flight are
+        waited for; misses are registered and read (on the I/O pool, or inline when there is one
+        and `inline`)."""
+        layer = f.layer
+        st = self._st
+        pins, lru = self._pins[layer], self._lru[layer]
+        waits, misses = [], []
+        with self._lock:
+            for e in remaining:
+                obj = pins.get(e)
+                if obj is not None:
+                    st["hits_pin"] += 1
+                    f.found[e] = obj
+                    continue
+                ent = lru.get(e)
+                if ent is not None:
+                    st["hits_lru"] += 1
+                    if ent.prefetched:
+                        ent.prefetched = False
+                        st["prefetch_used"] += 1
+                    f.found[e] = ent.obj
+                    continue
+                p = self._inflight.get((layer, e))
+                if p is not None:
+                    p.waiters += 1
+                    waits.append(p)
+                    continue
+                p = _Pending(layer, e, "get")
+                self._inflight[(layer, e)] = p
+                misses.append(p)
+                st["misses"] += 1
+        f._waits, f._misses, f._futures = waits, misses, []
+        if inline and len(misses) == 1:
+            t0 = time.perf_counter()
+            try:
+                self._run_load(misses[0])
+            finally:
+                f._t_wait += time.perf_counter() - t0
+            return
+        for p in misses:
+            try:
+                f._futures.append(self._pool.submit(self._run_load, p))
+            except RuntimeError:          # pool shut down by a concurrent close()
+                self._run_load(p)
+
+    def _finish(self, f) -> list:
+        """Wait for fetch f's loads (a failed prefetch is read once more), then make its experts
+        the row's most recent in ascending order, trim the row, and return them in eids order."""
         error = None                    # (eid, exception) of the first failure, in call order
         try:
-            remaining = distinct
             for round_ in range(2):
-                waits, misses = [], []
-                with lock:
-                    for e in remaining:
-                        obj = pins.get(e)
-                        if obj is not None:
-                            st["hits_pin"] += 1
-                            found[e] = obj
-                            continue
-                        ent = lru.get(e)
-                        if ent is not None:
-                            st["hits_lru"] += 1
-                            if ent.prefetched:
-                                ent.prefetched = False
-                                st["prefetch_used"] += 1
-                            found[e] = ent.obj
-                            continue
-                        p = self._inflight.get((layer, e))
-                        if p is not None:
-                            p.waiters += 1
-                            waits.append(p)
-                            continue
-                        p = _Pending(layer, e, "get")
-                        self._inflight[(layer, e)] = p
-                        misses.append(p)
-                        st["misses"] += 1
-                if not waits and not misses:
-                    break
                 t0 = time.perf_counter()
                 try:
-                    if len(misses) == 1:
-                        self._run_load(misses[0])
-                    elif misses:
-                        futures = []
-                        for p in misses:
-                            try:
-                                futures.append(self._pool.submit(self._run_load, p))
-                            except RuntimeError:          # pool shut down by a concurrent close()
-                                self._run_load(p)
-                        concurrent.futures.wait(futures)
-                    for p in waits:
+                    concurrent.futures.wait(f._futures)
+                    for p in f._waits:
                         p.event.wait()
                 finally:
-                    t_wait += time.perf_counter() - t0
+                    f._t_wait += time.perf_counter() - t0
                 retry = []
-                with lock:
-                    for p in misses:
+                with self._lock:
+                    for p in f._misses:
                         if p.error is None:
-                            found[p.eid] = p.obj
-                    for p in waits:
+                            f.found[p.eid] = p.obj
+                    for p in f._waits:
                         if p.error is None:
-                            found[p.eid] = p.obj
-                            st["prefetch_waits" if p.kind == "prefetch" else "inflight_waits"] += 1
+                            f.found[p.eid] = p.obj
+                            self._st["prefetch_waits" if p.kind == "prefetch" else "inflight_waits"] += 1
                         elif p.kind == "prefetch" and round_ == 0:
                             retry.append(p.eid)      # a failed prefetch is not our error: read it again
-                failed = {p.eid: p.error for p in misses + waits
+                failed = {p.eid: p.error for p in f._misses + f._waits
                           if p.error is not None and p.eid not in retry}
                 if failed:
-                    e = next(x for x in distinct if x in failed)
+                    e = next(x for x in f.distinct if x in failed)
                     error = (e, failed[e])
                     break
                 if not retry:
                     break
-                remaining = retry
+                self._start_round(f, retry, True)
         finally:
-            with lock:
-                st["wait_s"] += t_wait
-                for e in sorted(distinct):
-                    busy[e] -= 1
-                    if not busy[e]:
-                        del busy[e]
-                    obj = found.get(e)
-                    if obj is None or e in pins:
-                        continue
-                    ent = lru.get(e)
-                    if ent is None:
-                        lru[e] = _Entry(obj)
-                    else:
-                        if ent.prefetched:
-                            ent.prefetched = False
-                            st["prefetch_used"] += 1
-                        lru.move_to_end(e)
-                self._trim(layer)
+            self._release(f)
         if error is not None:
-            raise _with_context(error[1], layer, error[0]) from error[1]
-        return [found[e] for e in eids]
+            raise _with_context(error[1], f.layer, error[0]) from error[1]
+        return [f.found[e] for e in f.eids]
+
+    def _release(self, f):
+        """End fetch f: its experts are no longer in use; those it has become the row's most
+        recently used, in ascending expert order; the row is trimmed to capacity."""
+        layer = f.layer
+        pins, lru, busy = self._pins[layer], self._lru[layer], self._busy[layer]
+        with self._lock:
+            self._st["wait_s"] += f._t_wait
+            for e in sorted(f.distinct):
+                busy[e] -= 1
+                if not busy[e]:
+                    del busy[e]
+                obj = f.found.get(e)
+                if obj is None or e in pins:
+                    continue
+                ent = lru.get(e)
+                if ent is None:
+                    lru[e] = _Entry(obj)
+                else:
+                    if ent.prefetched:
+                        ent.prefetched = False
+                        self._st["prefetch_used"] += 1
+                    lru.move_to_end(e)
+            self._trim(layer)
 
     def prefetch(self, layer: int, eids, protect=()) -> None:
         """Queue background loads of the experts of ``eids`` that are neither pinned, cached, loading

@@ -183,6 +183,7 @@ def tier_stats(model, tiers, wall_s: float) -> dict:
         "cache_experts": model.cache_experts, "ram_budget_bytes": plan.budget_bytes,
         "projected_peak_bytes": plan.projected_peak_bytes,
         "time_disk_wait_s": t_disk, "time_expert_matmul_s": t_moe, "time_attention_s": t_attn,
+        "moe_calls_overlapped": model.overlapped_calls,
         "time_other_s": max(wall_s - t_disk - t_moe - t_attn, 0.0),
     }
 
@@ -197,6 +198,8 @@ def tier_line(s: dict) -> str:
                      f"{s['prefetch_used']} used, {s['prefetch_wasted']} wasted")
     parts.append(f"time: disk wait {s['time_disk_wait_s']:.3f}s, expert matmul {s['time_expert_matmul_s']:.3f}s, "
                  f"attention {s['time_attention_s']:.3f}s, other {s['time_other_s']:.3f}s")
+    if s.get("moe_calls_overlapped"):
+        parts.append(f"{s['moe_calls_overlapped']} MoE calls multiplied present experts during reads")
     return " | ".join(parts)
 
 

@@ -225,6 +225,43 @@ def test_misses_of_one_call_are_read_concurrently():
     c.close()
 
 
+def test_fetch_hands_out_present_experts_while_misses_load():
+    """fetch(): the present experts at once (ready), the rest read on the pool meanwhile; wait()
+    returns what get() returns and ends the call (LRU order, trim) exactly as get() does."""
+    c, ld = make(capacity=4, io_threads=2)
+    c.get(0, [1, 2])
+    ld.gates[(0, 5)] = threading.Event()            # the read of 5 waits until released
+    f = c.fetch(0, [5, 2, 1, 5])
+    assert f.pending and sorted(f.ready) == [1, 2]
+    assert c.get(1, [9])[0].eid == 9                # other calls go on meanwhile
+    assert ld.started[(0, 5)].wait(T)
+    assert not f._finished
+    ld.gates[(0, 5)].set()
+    out = f.wait()
+    assert [o.eid for o in out] == [5, 2, 1, 5] and out[1] is f.ready[2]
+    assert f.wait() is out and not f.pending
+    assert c.lru_order(0) == [1, 2, 5]
+    check_request_partition(c.stats)
+    c.close()
+
+
+def test_fetch_protects_its_experts_until_waited_and_reports_errors_once():
+    c, ld = make(capacity=1, io_threads=2)
+    c.get(0, [3])
+    ld.fail[(0, 4)] = 1
+    f = c.fetch(0, [3, 4])
+    assert sorted(f.ready) == [3]
+    c.prefetch(0, [6])                              # may not evict 3 while the fetch holds it
+    c.wait_prefetch()
+    assert c.tier(0, 3) == "lru"
+    with pytest.raises(DiskError, match=r"expert 4 of layer 0"):
+        f.wait()
+    with pytest.raises(RuntimeError, match="failed"):
+        f.wait()
+    assert c.get(0, [4])[0].eid == 4                # consistent afterwards; 4 is read again
+    c.close()
+
+
 # -- pins ------------------------------------------------------------------------------------------
 
 def test_pins_are_hits_never_evicted_and_adopt_lru_entries():

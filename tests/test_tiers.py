@@ -65,6 +65,20 @@ def test_every_tier_setting_is_bit_identical(int4):
             assert m.expert_misses > 0 and m.bytes_read > 0, name
 
 
+def test_present_experts_are_multiplied_during_reads_exactly(int4, monkeypatch):
+    """With experts streaming, an MoE call multiplies the experts already present (and the shared
+    one) while the others are read, then sums in the plain order: bit-identical to the plain call
+    (COLIBRI_OVERLAP=0) and to the all-cached model."""
+    base_tokens, base_logits, _ = decode(int4)
+    tokens, logits, m = decode(int4, cache_experts=1, io_threads=2)
+    assert m.overlapped_calls > 0
+    monkeypatch.setenv("COLIBRI_OVERLAP", "0")
+    plain_tokens, plain_logits, p = decode(int4, cache_experts=1, io_threads=2)
+    assert p.overlapped_calls == 0
+    assert tokens == plain_tokens == base_tokens
+    assert np.array_equal(logits, plain_logits) and np.array_equal(logits, base_logits)
+
+
 def test_evicted_expert_buffers_are_reused_exactly(int4):
     """Loads reuse the payload buffers of evicted experts once nothing references them; the
     outputs stay bit-identical to a cache that never evicts."""
