@@ -55,6 +55,14 @@ cdef extern from "coli_kernels.h" nogil:
     void coli_axpy_f32(float *y, float c, const float *x, int n)
     void coli_axpy_q8f32(float *y, float c, const int8_t *w, int n)
     void coli_axpy_q4f32(float *y, float c, const uint8_t *w, int n)
+    void coli_axpy_rows_f32(float *y, int n, const float *c, const float *x, long stride, const int *idx,
+                            int nrows)
+    void coli_dots_f32(const float *x, int n, const float *base, long stride, const int *idx, int nrows,
+                       float *out)
+    void coli_dots_q8f32(const float *x, int n, const int8_t *w, long rb, int nrows, float *out)
+    void coli_dots_q4f32(const float *x, int n, const uint8_t *w, long rb, int nrows, float *out)
+    void coli_axpy_rows_q8f32(float *y, int n, const float *c, const int8_t *w, long rb, int nrows)
+    void coli_axpy_rows_q4f32(float *y, int n, const float *c, const uint8_t *w, long rb, int nrows)
     void coli_rowdot2s_i4_x4(const uint8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
                              const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
                              float *out)
@@ -207,6 +215,44 @@ cdef inline void qt_addrow(const QTc *W, int row, float c, float *acc) noexcept 
     else:
         for i in range(I):
             acc[i] += cs * <float>(((p[i >> 2] >> (2 * (i & 3))) & 3) - 2)
+
+
+cdef inline void qt_rowdots_f(const QTc *W, int row0, int nrows, const float *x, float *out) noexcept nogil:
+    """out[r] = W[row0 + r, :] · x for nrows rows: qt_rowdot_f per row, in one kernel call."""
+    cdef int r
+    if W.fmt == FMT_F32:
+        coli_dots_f32(x, W.I, W.f + <Py_ssize_t>row0 * W.I, W.I, NULL, nrows, out)
+        return
+    if W.fmt == FMT_I8:
+        coli_dots_q8f32(x, W.I, <const int8_t *>(W.q + <Py_ssize_t>row0 * W.rb), W.rb, nrows, out)
+    elif W.fmt == FMT_I4:
+        coli_dots_q4f32(x, W.I, W.q + <Py_ssize_t>row0 * W.rb, W.rb, nrows, out)
+    else:
+        for r in range(nrows):
+            out[r] = qt_rowdot_f(W, row0 + r, x)
+        return
+    for r in range(nrows):
+        out[r] = out[r] * W.s[row0 + r]
+
+
+cdef inline void qt_addrows(const QTc *W, int row0, int nrows, const float *c, float *cs,
+                            float *acc) noexcept nogil:
+    """acc[:] += Σ_r c[r] · W[row0 + r, :] (dequantized), each element's terms in row order: the
+    same floats as qt_addrow per row. cs: scratch of nrows floats."""
+    cdef int r
+    if W.fmt == FMT_F32:
+        coli_axpy_rows_f32(acc, W.I, c, W.f + <Py_ssize_t>row0 * W.I, W.I, NULL, nrows)
+        return
+    if W.fmt != FMT_I8 and W.fmt != FMT_I4:
+        for r in range(nrows):
+            qt_addrow(W, row0 + r, c[r], acc)
+        return
+    for r in range(nrows):
+        cs[r] = c[r] * W.s[row0 + r]        # as qt_addrow: the row scale folded into the coefficient
+    if W.fmt == FMT_I8:
+        coli_axpy_rows_q8f32(acc, W.I, cs, <const int8_t *>(W.q + <Py_ssize_t>row0 * W.rb), W.rb, nrows)
+    else:
+        coli_axpy_rows_q4f32(acc, W.I, cs, W.q + <Py_ssize_t>row0 * W.rb, W.rb, nrows)
 
 
 cdef inline int act_nblocks(int I, int block) noexcept nogil:
@@ -718,6 +764,47 @@ def axpy(y, float c, x, int n=-1):
     return np.asarray(yv)
 
 
+def axpy_rows(y, c, rows, idx=None, int n=-1):
+    """y + Σ_r c[r]·rows[idx[r] if idx else r] through the dispatched multi-row kernels (tests):
+    rows float32 [R, n] (any idx), int8 [R, n] or packed int4 uint8 [R, ceil(n/2)] (no idx)."""
+    cdef float[::1] yv = np.array(y, dtype=np.float32)
+    cdef float[::1] cv = np.ascontiguousarray(c, dtype=np.float32)
+    cdef int m = yv.shape[0], nrows = cv.shape[0]
+    rows = np.ascontiguousarray(rows)
+    if rows.ndim != 2 or m == 0 or nrows == 0:
+        raise ValueError("axpy_rows: y and c must be non-empty, rows 2-D")
+    cdef float[:, ::1] rf
+    cdef int8_t[:, ::1] r8
+    cdef uint8_t[:, ::1] r4
+    cdef int[::1] iv
+    if rows.dtype == np.float32:
+        if rows.shape[1] != m:
+            raise ValueError("axpy_rows: row length differs from y")
+        rf = rows
+        if idx is None:
+            if nrows > rows.shape[0]:
+                raise ValueError("axpy_rows: more coefficients than rows")
+            coli_axpy_rows_f32(&yv[0], m, &cv[0], &rf[0, 0], m, NULL, nrows)
+        else:
+            iv = np.ascontiguousarray(idx, dtype=np.int32)
+            if iv.shape[0] != nrows or min(iv) < 0 or max(iv) >= rows.shape[0]:
+                raise ValueError("axpy_rows: bad row indices")
+            coli_axpy_rows_f32(&yv[0], m, &cv[0], &rf[0, 0], m, &iv[0], nrows)
+    elif rows.dtype == np.int8 and idx is None:
+        if rows.shape[1] != m or nrows > rows.shape[0]:
+            raise ValueError("axpy_rows: int8 rows of the wrong shape")
+        r8 = rows
+        coli_axpy_rows_q8f32(&yv[0], m, &cv[0], &r8[0, 0], rows.shape[1], nrows)
+    elif rows.dtype == np.uint8 and idx is None:
+        if rows.shape[1] != (m + 1) // 2 or nrows > rows.shape[0]:
+            raise ValueError("axpy_rows: packed int4 rows of the wrong shape")
+        r4 = rows
+        coli_axpy_rows_q4f32(&yv[0], m, &cv[0], &r4[0, 0], rows.shape[1], nrows)
+    else:
+        raise ValueError(f"axpy_rows: unsupported rows {rows.dtype} (idx only with float32)")
+    return np.asarray(yv)
+
+
 def quantize_q8(x, int block=0):
     """Per-block Q8 activation quantization -> (q int8 [n], scales f32 [nblocks])."""
     cdef float[::1] xv = np.ascontiguousarray(x, dtype=np.float32)
@@ -863,7 +950,7 @@ cdef class Work:
         self.upos, self.uniq = i32(c.n_experts), i32(S * c.topk)
         self.ustart, self.urow, self.uw = i32(S * c.topk + 1), i32(S * c.topk), f(S * c.topk)
         self.kvb = f(T, c.n_heads * (c.qk_nope + c.v_head)) if expanded else f(1, 1)
-        self.tbuf = f(nt, 2 * c.kv_lora + T)
+        self.tbuf = f(nt, 2 * c.kv_lora + max(2 * T, c.qk_nope))
         self.xq = np.zeros(2 * rows * self.widest, np.int8)
         self.xs = f(2 * rows * self.widest)
         self.xm = np.zeros(2 * rows * self.widest, np.int32)   # block sums of xq (layout of xs)
@@ -1971,23 +2058,21 @@ cdef void attend_expanded(const float *q, const float *kvb, const float *Rc, con
     """One (row, head) of expanded attention: keys/values from kvb [T, H·(dn+dv)] (kv_b applied to
     every cached latent) plus the shared rotated key Rc [T, dr]. Keys: the DSA selection sel[:nsel]
     when nsel > 0, else the causal window k0..pos."""
-    cdef int dq = dn + dr, W = H * (dn + dv), j, t, i, nk = nsel if nsel > 0 else pos + 1 - k0
+    cdef int dq = dn + dr, W = H * (dn + dv), j, i, nk = nsel if nsel > 0 else pos + 1 - k0
     cdef const float *qh = q + <Py_ssize_t>h * dq
     cdef float *sc = tbuf
     cdef float *o = ctx + <Py_ssize_t>h * dv
-    cdef const float *row
-    cdef float p
+    cdef float *sr = sc + nk                          # the rope part of the scores
+    cdef const int *keys = sel if nsel > 0 else NULL  # rows of kvb / Rc: sel[j], or k0 + j
+    cdef const float *kh = kvb + h * (dn + dv) + (0 if nsel > 0 else <Py_ssize_t>k0 * W)   # head h's keys
+    coli_dots_f32(qh, dn, kh, W, keys, nk, sc)
+    coli_dots_f32(qh + dn, dr, Rc + (0 if nsel > 0 else <Py_ssize_t>k0 * dr), dr, keys, nk, sr)
     for j in range(nk):
-        t = sel[j] if nsel > 0 else k0 + j
-        row = kvb + <Py_ssize_t>t * W + h * (dn + dv)
-        sc[j] = (coli_dot_f32(qh, row, dn) + coli_dot_f32(qh + dn, Rc + <Py_ssize_t>t * dr, dr)) * scale
+        sc[j] = (sc[j] + sr[j]) * scale
     softmax_inplace(sc, nk)
     for i in range(dv):
         o[i] = 0.0
-    for j in range(nk):
-        t = sel[j] if nsel > 0 else k0 + j
-        row = kvb + <Py_ssize_t>t * W + h * (dn + dv) + dn
-        coli_axpy_f32(o, sc[j], row, dv)
+    coli_axpy_rows_f32(o, dv, sc, kh + dn, W, keys, nk)    # o = Σ_j p_j v_j
 
 
 cdef void attend_absorbed(const QTc *kv_b, const float *q, const float *Lc, const float *Rc,
@@ -1995,29 +2080,26 @@ cdef void attend_absorbed(const QTc *kv_b, const float *q, const float *Lc, cons
                           int Lkv, float scale, float *tbuf, float *ctx) noexcept nogil:
     """One (row, head) of absorbed attention, entirely in the kv_lora latent space:
     qabs = W_k,hᵀ q_nope; score_t = qabs·Lc_t + q_rope·Rc_t; ctx = W_v,h (Σ_t p_t Lc_t)."""
-    cdef int dq = dn + dr, j, t, d, i, nk = nsel if nsel > 0 else pos + 1 - k0
+    cdef int dq = dn + dr, j, i, nk = nsel if nsel > 0 else pos + 1 - k0
     cdef const float *qh = q + <Py_ssize_t>h * dq
     cdef float *qabs = tbuf
     cdef float *clat = tbuf + Lkv
     cdef float *sc = tbuf + 2 * Lkv
     cdef int base = h * (dn + dv)
-    cdef float p
-    cdef const float *lrow
     for i in range(Lkv):
         qabs[i] = 0.0
         clat[i] = 0.0
-    for d in range(dn):
-        qt_addrow(kv_b, base + d, qh[d], qabs)
+    cdef float *sr = sc + nk                          # the rope part of the scores
+    cdef const int *keys = sel if nsel > 0 else NULL  # rows of Lc / Rc: sel[j], or k0 + j
+    cdef Py_ssize_t first = 0 if nsel > 0 else k0
+    qt_addrows(kv_b, base, dn, qh, sc, qabs)        # sc: scratch until the scores are written
+    coli_dots_f32(qabs, Lkv, Lc + first * Lkv, Lkv, keys, nk, sc)
+    coli_dots_f32(qh + dn, dr, Rc + first * dr, dr, keys, nk, sr)
     for j in range(nk):
-        t = sel[j] if nsel > 0 else k0 + j
-        sc[j] = (coli_dot_f32(qabs, Lc + <Py_ssize_t>t * Lkv, Lkv) +
-                 coli_dot_f32(qh + dn, Rc + <Py_ssize_t>t * dr, dr)) * scale
+        sc[j] = (sc[j] + sr[j]) * scale
     softmax_inplace(sc, nk)
-    for j in range(nk):
-        t = sel[j] if nsel > 0 else k0 + j
-        coli_axpy_f32(clat, sc[j], Lc + <Py_ssize_t>t * Lkv, Lkv)
-    for i in range(dv):
-        ctx[h * dv + i] = qt_rowdot_f(kv_b, base + dn + i, clat)
+    coli_axpy_rows_f32(clat, Lkv, sc, Lc + first * Lkv, Lkv, keys, nk)
+    qt_rowdots_f(kv_b, base + dn, dv, clat, ctx + h * dv)
 
 
 cdef int dsa_topk(const float *qi, const float *w, const float *Ic, int nk, int nh, int hd, int topk,

@@ -48,6 +48,32 @@ static inline void coli_axpy_q4f32_scalar(float *y, float c, const uint8_t *wp, 
     }
 }
 
+/* Several rows at once, y += c[0]·row_0 + c[1]·row_1 + ..., each element's terms added in row
+ * order: bit-identical to one axpy call per row, in order. Row r of the f32 form is
+ * x + (idx ? idx[r] : r) * stride (floats); the int8 / int4 forms take consecutive rows of rb
+ * bytes. The generic versions below are exactly those calls; AVX-512 keeps a chunk of y in
+ * registers across all the rows. */
+#define COLI_AXPY_ROWS_BY_ROW(sfx, ATTR)                                                           \
+    ATTR static inline void coli_axpy_rows_f32_##sfx(float *y, int n, const float *c, const float *x, \
+                                                     long stride, const int *idx, int nrows)          \
+    {                                                                                              \
+        for (int r = 0; r < nrows; r++)                                                            \
+            coli_axpy_f32_##sfx(y, c[r], x + (idx ? idx[r] : r) * stride, n);                      \
+    }                                                                                              \
+    ATTR static inline void coli_axpy_rows_q8f32_##sfx(float *y, int n, const float *c, const int8_t *w, \
+                                                       long rb, int nrows)                         \
+    {                                                                                              \
+        for (int r = 0; r < nrows; r++)                                                            \
+            coli_axpy_q8f32_##sfx(y, c[r], w + r * rb, n);                                         \
+    }                                                                                              \
+    ATTR static inline void coli_axpy_rows_q4f32_##sfx(float *y, int n, const float *c, const uint8_t *w, \
+                                                       long rb, int nrows)                         \
+    {                                                                                              \
+        for (int r = 0; r < nrows; r++)                                                            \
+            coli_axpy_q4f32_##sfx(y, c[r], w + r * rb, n);                                         \
+    }
+COLI_AXPY_ROWS_BY_ROW(scalar, )
+
 #if COLI_X86
 /* ========================================= AVX2 ========================================= */
 
@@ -93,6 +119,8 @@ COLI_AVX2 static inline void coli_axpy_q4f32_avx2(float *y, float c, const uint8
         y[i] += coli_mul_pinned(c, (float)(u - 8));
     }
 }
+
+COLI_AXPY_ROWS_BY_ROW(avx2, COLI_AVX2)
 
 /* ===================================== AVX-512 VNNI ===================================== */
 
@@ -144,6 +172,89 @@ COLI_AVX512 static inline void coli_axpy_q4f32_avx512(float *y, float c, const u
                            (__mmask16)my);
         coli_axpy16_avx512(y + i + 16, cv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))),
                            (__mmask16)(my >> 16));
+    }
+}
+
+/* acc += c * v with the product pinned (no fma) */
+COLI_AVX512 static inline __m512 coli_acc_pinned_avx512(__m512 acc, __m512 c, __m512 v)
+{
+    __m512 p = _mm512_mul_ps(c, v);
+    __asm__("" : "+v"(p));
+    return _mm512_add_ps(acc, p);
+}
+
+/* Chunks of 64 elements of y (four registers, masked at the end) stay in registers while every
+ * row is added; one row term per element in row order, as the one-row calls. */
+COLI_AVX512 static inline void coli_axpy_rows_f32_avx512(float *y, int n, const float *c, const float *x,
+                                                         long stride, const int *idx, int nrows)
+{
+    for (int i = 0; i < n; i += 64) {
+        __mmask16 m[4];
+        __m512 a[4];
+        for (int k = 0; k < 4; k++) {
+            int left = n - i - 16 * k;
+            m[k] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+            a[k] = _mm512_maskz_loadu_ps(m[k], y + i + 16 * k);
+        }
+        for (int r = 0; r < nrows; r++) {
+            const float *row = x + (idx ? idx[r] : r) * stride + i;
+            __m512 cv = _mm512_set1_ps(c[r]);
+            for (int k = 0; k < 4; k++)
+                a[k] = coli_acc_pinned_avx512(a[k], cv, _mm512_maskz_loadu_ps(m[k], row + 16 * k));
+        }
+        for (int k = 0; k < 4; k++)
+            _mm512_mask_storeu_ps(y + i + 16 * k, m[k], a[k]);
+    }
+}
+
+COLI_AVX512 static inline void coli_axpy_rows_q8f32_avx512(float *y, int n, const float *c, const int8_t *w,
+                                                           long rb, int nrows)
+{
+    for (int i = 0; i < n; i += 64) {
+        __mmask16 m[4];
+        __m512 a[4];
+        for (int k = 0; k < 4; k++) {
+            int left = n - i - 16 * k;
+            m[k] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+            a[k] = _mm512_maskz_loadu_ps(m[k], y + i + 16 * k);
+        }
+        for (int r = 0; r < nrows; r++) {
+            const int8_t *row = w + r * rb + i;
+            __m512 cv = _mm512_set1_ps(c[r]);
+            for (int k = 0; k < 4; k++)
+                a[k] = coli_acc_pinned_avx512(a[k], cv,
+                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m[k], row + 16 * k))));
+        }
+        for (int k = 0; k < 4; k++)
+            _mm512_mask_storeu_ps(y + i + 16 * k, m[k], a[k]);
+    }
+}
+
+COLI_AVX512 static inline void coli_axpy_rows_q4f32_avx512(float *y, int n, const float *c, const uint8_t *w,
+                                                           long rb, int nrows)
+{
+    for (int i = 0; i < n; i += 64) {
+        int left = n - i < 64 ? n - i : 64;
+        __mmask32 mb = (__mmask32)((1ULL << ((left + 1) / 2)) - 1);
+        __mmask16 m[4];
+        __m512 a[4];
+        for (int k = 0; k < 4; k++) {
+            int l = left - 16 * k;
+            m[k] = l >= 16 ? (__mmask16)0xFFFF : l <= 0 ? (__mmask16)0 : (__mmask16)((1u << l) - 1);
+            a[k] = _mm512_maskz_loadu_ps(m[k], y + i + 16 * k);
+        }
+        for (int r = 0; r < nrows; r++) {
+            /* 32 packed bytes -> 64 weights v = u - 8 in element order */
+            __m512i wd = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mb, w + r * rb + i / 2));
+            __m512i v = _mm512_sub_epi8(_mm512_ternarylogic_epi32(wd, _mm512_slli_epi16(wd, 4), _mm512_set1_epi8(0x0F), 0xA8),
+                                        _mm512_set1_epi8(8));
+            __m512 cv = _mm512_set1_ps(c[r]);
+            for (int k = 0; k < 4; k++)
+                a[k] = coli_acc_pinned_avx512(a[k], cv,
+                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, k))));
+        }
+        for (int k = 0; k < 4; k++)
+            _mm512_mask_storeu_ps(y + i + 16 * k, m[k], a[k]);
     }
 }
 #endif /* COLI_X86 */

@@ -41,6 +41,30 @@ static inline float coli_dot_q4f32_scalar(const uint8_t *wp, const float *x, int
     return s;
 }
 
+/* Many rows against one vector, out[r] = coli_dot_*(row_r, x): each row exactly the one-row
+ * kernel of the same ISA (inlined here, so without a dispatch per row). f32 rows are
+ * base + (idx ? idx[r] : r) * stride (floats); int8 / int4 rows are consecutive, rb bytes apart. */
+#define COLI_DOTS_BY_ROW(sfx, ATTR)                                                                \
+    ATTR static inline void coli_dots_f32_##sfx(const float *x, int n, const float *base, long stride, \
+                                                const int *idx, int nrows, float *out)             \
+    {                                                                                              \
+        for (int r = 0; r < nrows; r++)                                                            \
+            out[r] = coli_dot_f32_##sfx(x, base + (idx ? idx[r] : r) * stride, n);                 \
+    }                                                                                              \
+    ATTR static inline void coli_dots_q8f32_##sfx(const float *x, int n, const int8_t *w, long rb,  \
+                                                  int nrows, float *out)                           \
+    {                                                                                              \
+        for (int r = 0; r < nrows; r++)                                                            \
+            out[r] = coli_dot_q8f32_##sfx(w + r * rb, x, n);                                       \
+    }                                                                                              \
+    ATTR static inline void coli_dots_q4f32_##sfx(const float *x, int n, const uint8_t *w, long rb, \
+                                                  int nrows, float *out)                           \
+    {                                                                                              \
+        for (int r = 0; r < nrows; r++)                                                            \
+            out[r] = coli_dot_q4f32_##sfx(w + r * rb, x, n);                                       \
+    }
+COLI_DOTS_BY_ROW(scalar, )
+
 #if COLI_X86
 /* ========================================= AVX2 ========================================= */
 
@@ -146,6 +170,8 @@ COLI_AVX2 static inline float coli_dot_q4f32_avx2(const uint8_t *wp, const float
          + coli_dot_q4f32_scalar(wp + i / 2, x + i, n - i);
 }
 
+COLI_DOTS_BY_ROW(avx2, COLI_AVX2)
+
 /* ======================================== AVX-512 ======================================== */
 
 COLI_AVX512 static inline float coli_dot_f32_avx512(const float *a, const float *b, int n)
@@ -237,6 +263,7 @@ COLI_AVX512 static inline float coli_dot_q4f32_avx512(const uint8_t *wp, const f
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
 }
+COLI_DOTS_BY_ROW(avx512, COLI_AVX512)
 #endif /* COLI_X86 */
 
 #endif /* COLI_DOT_F32_H */

@@ -59,6 +59,14 @@ typedef struct coli_kernel_table {
     void (*axpy_f32)(float *y, float c, const float *x, int n);
     void (*axpy_q8f32)(float *y, float c, const int8_t *w, int n);
     void (*axpy_q4f32)(float *y, float c, const uint8_t *w_packed, int n);
+    void (*axpy_rows_f32)(float *y, int n, const float *c, const float *x, long stride, const int *idx,
+                          int nrows);
+    void (*axpy_rows_q8f32)(float *y, int n, const float *c, const int8_t *w, long rb, int nrows);
+    void (*axpy_rows_q4f32)(float *y, int n, const float *c, const uint8_t *w_packed, long rb, int nrows);
+    void (*dots_f32)(const float *x, int n, const float *base, long stride, const int *idx, int nrows,
+                     float *out);
+    void (*dots_q8f32)(const float *x, int n, const int8_t *w, long rb, int nrows, float *out);
+    void (*dots_q4f32)(const float *x, int n, const uint8_t *w_packed, long rb, int nrows, float *out);
 } coli_kernel_table;
 
 #define COLI_KERNEL_TABLE(isa, sfx)                                                       \
@@ -67,7 +75,9 @@ typedef struct coli_kernel_table {
       coli_quantize_q8_##sfx, coli_rowdot2_i8_##sfx, coli_rowdot2_i4_##sfx,                  \
       coli_rowdot_i8_rows_##sfx, coli_rowdot_i4_rows_##sfx, coli_rowdot2s_i4_##sfx,            \
       coli_rowdot2s_i4_x4_##sfx, coli_rowdot2s_i8_x4_##sfx, coli_axpy_f32_##sfx,            \
-      coli_axpy_q8f32_##sfx, coli_axpy_q4f32_##sfx }
+      coli_axpy_q8f32_##sfx, coli_axpy_q4f32_##sfx, coli_axpy_rows_f32_##sfx,                 \
+      coli_axpy_rows_q8f32_##sfx, coli_axpy_rows_q4f32_##sfx, coli_dots_f32_##sfx,            \
+      coli_dots_q8f32_##sfx, coli_dots_q4f32_##sfx }
 
 static const coli_kernel_table coli_kernels_by_isa[] = {
     COLI_KERNEL_TABLE(COLI_ISA_SCALAR, scalar),
@@ -211,6 +221,45 @@ static inline void coli_axpy_q8f32(float *y, float c, const int8_t *w, int n)
 static inline void coli_axpy_q4f32(float *y, float c, const uint8_t *w_packed, int n)
 {
     coli_kt.axpy_q4f32(y, c, w_packed, n);
+}
+
+/* y += sum_r c[r] * row_r, each element's terms in row order: bit-identical to one coli_axpy_*
+ * call per row (coli_axpy.h). f32 rows: x + (idx ? idx[r] : r) * stride; int8 / int4: rows of rb
+ * bytes from w. */
+static inline void coli_axpy_rows_f32(float *y, int n, const float *c, const float *x, long stride,
+                                      const int *idx, int nrows)
+{
+    coli_kt.axpy_rows_f32(y, n, c, x, stride, idx, nrows);
+}
+
+static inline void coli_axpy_rows_q8f32(float *y, int n, const float *c, const int8_t *w, long rb, int nrows)
+{
+    coli_kt.axpy_rows_q8f32(y, n, c, w, rb, nrows);
+}
+
+static inline void coli_axpy_rows_q4f32(float *y, int n, const float *c, const uint8_t *w_packed, long rb,
+                                        int nrows)
+{
+    coli_kt.axpy_rows_q4f32(y, n, c, w_packed, rb, nrows);
+}
+
+/* out[r] = coli_dot_f32(x, row_r) / coli_dot_q8f32 / coli_dot_q4f32 for many rows in one call
+ * (coli_dot_f32.h): the same floats as one call per row */
+static inline void coli_dots_f32(const float *x, int n, const float *base, long stride, const int *idx,
+                                 int nrows, float *out)
+{
+    coli_kt.dots_f32(x, n, base, stride, idx, nrows, out);
+}
+
+static inline void coli_dots_q8f32(const float *x, int n, const int8_t *w, long rb, int nrows, float *out)
+{
+    coli_kt.dots_q8f32(x, n, w, rb, nrows, out);
+}
+
+static inline void coli_dots_q4f32(const float *x, int n, const uint8_t *w_packed, long rb, int nrows,
+                                   float *out)
+{
+    coli_kt.dots_q4f32(x, n, w_packed, rb, nrows, out);
 }
 
 /* s[b] = sum of the int8 activations of each block (the input of coli_rowdot2s_i4) */

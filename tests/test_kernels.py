@@ -148,6 +148,36 @@ def test_axpy_bit_identical_to_numpy(isa):
         np.testing.assert_array_equal(_core.axpy(y, c, packed), y + c * v4.astype(np.float32), err_msg=str(n))
 
 
+def test_axpy_rows_equal_one_call_per_row(isa):
+    """y += Σ_r c[r]·row_r (f32 rows by stride or index, int8 / int4 rows) equals one axpy per
+    row, in row order, bit for bit."""
+    rng = np.random.default_rng(8)
+    for n in [1, 15, 16, 17, 63, 64, 65, 128, 130, 200]:
+        for nrows in [1, 3, 9]:
+            y = rng.standard_normal(n).astype(np.float32)
+            c = rng.standard_normal(nrows).astype(np.float32)
+            table = rng.standard_normal((12, n)).astype(np.float32)
+            idx = rng.permutation(12)[:nrows].astype(np.int32)
+            expect = y.copy()
+            for r in range(nrows):
+                expect = _core.axpy(expect, c[r], table[idx[r]])
+            np.testing.assert_array_equal(_core.axpy_rows(y, c, table, idx), expect, err_msg=f"f32 {n} {nrows}")
+            expect = y.copy()
+            for r in range(nrows):
+                expect = _core.axpy(expect, c[r], table[r])
+            np.testing.assert_array_equal(_core.axpy_rows(y, c, table[:nrows]), expect)
+            w8 = rng.integers(-128, 128, (nrows, n)).astype(np.int8)
+            expect = y.copy()
+            for r in range(nrows):
+                expect = _core.axpy(expect, c[r], w8[r])
+            np.testing.assert_array_equal(_core.axpy_rows(y, c, w8), expect, err_msg=f"i8 {n} {nrows}")
+            w4 = quant.pack_int4(rng.integers(-8, 8, (nrows, n)))
+            expect = y.copy()
+            for r in range(nrows):
+                expect = _core.axpy(expect, c[r], w4[r], n)
+            np.testing.assert_array_equal(_core.axpy_rows(y, c, w4, n=n), expect, err_msg=f"i4 {n} {nrows}")
+
+
 @pytest.fixture
 def kernel_flags():
     before = _core.set_kernel_flags()
