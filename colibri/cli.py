@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="generate a continuation of a prompt",
                        description="Generate from a prompt (text, or token ids with --prompt-ids).")
     r.add_argument("prompt", nargs="?", default=None, help="prompt text (needs tokenizer.json in the model)")
+    r.add_argument("--prompt", "-p", dest="prompt_text", default=None, metavar="TEXT",
+                   help="the prompt text as an option (instead of the positional PROMPT)")
     r.add_argument("--model", "-m", required=False, default=None, help="model directory")
     r.add_argument("--prompt-ids", default=None, metavar="IDS", help="prompt as comma-separated token ids")
     r.add_argument("--max-tokens", "-n", type=int, default=64, help="tokens to generate (default 64)")
@@ -145,6 +147,10 @@ def main(argv=None) -> int:
     if args.command is None:
         ap.print_help()
         return 2
+    if args.command == "run" and args.prompt_text is not None:
+        if args.prompt is not None:
+            ap.error("run: give the prompt text once (PROMPT or --prompt)")
+        args.prompt = args.prompt_text
     try:
         if args.command == "run":
             from .runner import run

@@ -76,6 +76,17 @@ def test_cli_without_model_uses_the_default(ref):
     assert p.stdout == want["text"] + "\n"
 
 
+def test_prompt_option_is_the_positional_prompt(ref):
+    """`-p/--prompt TEXT` (as in llama.cpp) gives the same text as the positional PROMPT; giving both
+    is an error, not a silent choice."""
+    want = ref["cli"]
+    p = colibri_cli("run", "--prompt", want["prompt"], "--max-tokens", want["max_tokens"], "--temperature", 0)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == want["text"] + "\n"
+    both = colibri_cli("run", want["prompt"], "-p", want["prompt"], "--max-tokens", 2)
+    assert both.returncode == 2 and "once" in both.stderr
+
+
 def test_mtp_drafts_accepted_on_a_heldout_prompt(tmp_path, ref):
     stats = tmp_path / "s.json"
     plain = colibri_cli("run", ref["prompt_text"], "--max-tokens", 48, "--temperature", 0, "--draft", 0, "--quiet")
