@@ -184,58 +184,15 @@ COLI_AVX512 static inline __m512 coli_acc_pinned_avx512(__m512 acc, __m512 c, __
 }
 
 /* Chunks of 64 elements of y (four registers, masked at the end) stay in registers while every
- * row is added; one row term per element in row order, as the one-row calls. */
-COLI_AVX512 static inline void coli_axpy_rows_f32_avx512(float *y, int n, const float *c, const float *x,
-                                                         long stride, const int *idx, int nrows)
-{
-    for (int i = 0; i < n; i += 64) {
-        __mmask16 m[4];
-        __m512 a[4];
-        for (int k = 0; k < 4; k++) {
-            int left = n - i - 16 * k;
-            m[k] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-            a[k] = _mm512_maskz_loadu_ps(m[k], y + i + 16 * k);
-        }
-        for (int r = 0; r < nrows; r++) {
-            const float *row = x + (idx ? idx[r] : r) * stride + i;
-            __m512 cv = _mm512_set1_ps(c[r]);
-            for (int k = 0; k < 4; k++)
-                a[k] = coli_acc_pinned_avx512(a[k], cv, _mm512_maskz_loadu_ps(m[k], row + 16 * k));
-        }
-        for (int k = 0; k < 4; k++)
-            _mm512_mask_storeu_ps(y + i + 16 * k, m[k], a[k]);
-    }
-}
-
-COLI_AVX512 static inline void coli_axpy_rows_q8f32_avx512(float *y, int n, const float *c, const int8_t *w,
-                                                           long rb, int nrows)
-{
-    for (int i = 0; i < n; i += 64) {
-        __mmask16 m[4];
-        __m512 a[4];
-        for (int k = 0; k < 4; k++) {
-            int left = n - i - 16 * k;
-            m[k] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
-            a[k] = _mm512_maskz_loadu_ps(m[k], y + i + 16 * k);
-        }
-        for (int r = 0; r < nrows; r++) {
-            const int8_t *row = w + r * rb + i;
-            __m512 cv = _mm512_set1_ps(c[r]);
-            for (int k = 0; k < 4; k++)
-                a[k] = coli_acc_pinned_avx512(a[k], cv,
-                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m[k], row + 16 * k))));
-        }
-        for (int k = 0; k < 4; k++)
-            _mm512_mask_storeu_ps(y + i + 16 * k, m[k], a[k]);
-    }
-}
-
-COLI_AVX512 static inline void coli_axpy_rows_q4f32_avx512(float *y, int n, const float *c, const uint8_t *w,
-                                                           long rb, int nrows)
+ * row is added; one row term per element in row order, as the one-row calls. kind (a constant
+ * after inlining): 0 = f32 rows x + (idx ? idx[r] : r) * stride floats, 1 = int8 rows, 2 = packed
+ * int4 rows, stride bytes apart. */
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_axpy_rows_k_avx512(float *y, int n, const float *c, const void *w,
+                                                                  long stride, const int *idx, int nrows,
+                                                                  const int kind)
 {
     for (int i = 0; i < n; i += 64) {
         int left = n - i < 64 ? n - i : 64;
-        __mmask32 mb = (__mmask32)((1ULL << ((left + 1) / 2)) - 1);
         __mmask16 m[4];
         __m512 a[4];
         for (int k = 0; k < 4; k++) {
@@ -244,18 +201,49 @@ COLI_AVX512 static inline void coli_axpy_rows_q4f32_avx512(float *y, int n, cons
             a[k] = _mm512_maskz_loadu_ps(m[k], y + i + 16 * k);
         }
         for (int r = 0; r < nrows; r++) {
-            /* 32 packed bytes -> 64 weights v = u - 8 in element order */
-            __m512i wd = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mb, w + r * rb + i / 2));
-            __m512i v = _mm512_sub_epi8(_mm512_ternarylogic_epi32(wd, _mm512_slli_epi16(wd, 4), _mm512_set1_epi8(0x0F), 0xA8),
-                                        _mm512_set1_epi8(8));
             __m512 cv = _mm512_set1_ps(c[r]);
-            for (int k = 0; k < 4; k++)
-                a[k] = coli_acc_pinned_avx512(a[k], cv,
-                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, k))));
+            if (kind == 2) { /* 32 packed bytes -> 64 weights v = u - 8 in element order */
+                __mmask32 mb = (__mmask32)((1ULL << ((left + 1) / 2)) - 1);
+                __m512i wd = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mb, (const uint8_t *)w + r * stride + i / 2));
+                __m512i v = _mm512_sub_epi8(_mm512_ternarylogic_epi32(wd, _mm512_slli_epi16(wd, 4),
+                                                                      _mm512_set1_epi8(0x0F), 0xA8),
+                                            _mm512_set1_epi8(8));
+                const __m128i part[4] = {_mm512_castsi512_si128(v), _mm512_extracti32x4_epi32(v, 1),
+                                         _mm512_extracti32x4_epi32(v, 2), _mm512_extracti32x4_epi32(v, 3)};
+                for (int k = 0; k < 4; k++)
+                    a[k] = coli_acc_pinned_avx512(a[k], cv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(part[k])));
+            } else if (kind == 1) {
+                const int8_t *row = (const int8_t *)w + r * stride + i;
+                for (int k = 0; k < 4; k++)
+                    a[k] = coli_acc_pinned_avx512(a[k], cv,
+                               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m[k], row + 16 * k))));
+            } else {
+                const float *row = (const float *)w + (idx ? idx[r] : r) * stride + i;
+                for (int k = 0; k < 4; k++)
+                    a[k] = coli_acc_pinned_avx512(a[k], cv, _mm512_maskz_loadu_ps(m[k], row + 16 * k));
+            }
         }
         for (int k = 0; k < 4; k++)
             _mm512_mask_storeu_ps(y + i + 16 * k, m[k], a[k]);
     }
+}
+
+COLI_AVX512 static inline void coli_axpy_rows_f32_avx512(float *y, int n, const float *c, const float *x,
+                                                         long stride, const int *idx, int nrows)
+{
+    coli_axpy_rows_k_avx512(y, n, c, x, stride, idx, nrows, 0);
+}
+
+COLI_AVX512 static inline void coli_axpy_rows_q8f32_avx512(float *y, int n, const float *c, const int8_t *w,
+                                                           long rb, int nrows)
+{
+    coli_axpy_rows_k_avx512(y, n, c, w, rb, NULL, nrows, 1);
+}
+
+COLI_AVX512 static inline void coli_axpy_rows_q4f32_avx512(float *y, int n, const float *c, const uint8_t *w,
+                                                           long rb, int nrows)
+{
+    coli_axpy_rows_k_avx512(y, n, c, w, rb, NULL, nrows, 2);
 }
 #endif /* COLI_X86 */
 

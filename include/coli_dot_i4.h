@@ -238,7 +238,6 @@ static inline float coli_rowdot2s_i4_scalar(const uint8_t *w, const int8_t *q1, 
     (void)s1; (void)s2;
     return coli_rowdot2_i4_scalar(w, q1, xs1, q2, xs2, n, block);
 }
-COLI_ROWDOT2S_X4_BY_ROW(i4, uint8_t, scalar, )
 
 #if COLI_X86
 /* ---------------------------------------- AVX2 ---------------------------------------- */
@@ -349,7 +348,6 @@ COLI_AVX2 static inline float coli_rowdot2s_i4_avx2(const uint8_t *w, const int8
     (void)s1; (void)s2;
     return coli_rowdot2_i4_avx2(w, q1, xs1, q2, xs2, n, block);
 }
-COLI_ROWDOT2S_X4_BY_ROW(i4, uint8_t, avx2, COLI_AVX2)
 
 /* ------------------------------------- AVX-512 VNNI ------------------------------------- */
 
@@ -482,61 +480,6 @@ COLI_AVX512 static inline float coli_rowdot2s_i4_avx512(const uint8_t *wp, const
         acc2 = coli_block_acc(acc2, xs2[b], _mm512_reduce_add_epi32(a2) - 8 * s2[b]);
     }
     return acc1 + acc2;
-}
-
-/* Four consecutive weight rows (row r at wp + r*rb) against the same pair: out[r] =
- * coli_rowdot2s_i4_avx512(wp + r*rb, ...), bit-identical (per row the same block integers and the
- * same float operations). The activation vectors are loaded once for the four rows, the four
- * rows' block sums are reduced together (coli_hsum4_i32_avx512), and the call overhead is shared:
- * on short rows (an expert's 512-wide down projection) this is ~1.5x the single-row kernel. */
-COLI_AVX512 static inline void coli_rowdot2s_i4_x4_avx512(const uint8_t *wp, long rb, const int8_t *q1,
-                                                          const float *xs1, const int32_t *s1,
-                                                          const int8_t *q2, const float *xs2,
-                                                          const int32_t *s2, int n, int block, float *out)
-{
-    float acc1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int i = 0, b = 0;
-    block = coli_block_len(n, block);
-    for (; i < n; i += block, b++) {
-        int len = n - i < block ? n - i : block, j = 0;
-        __m512i a1[4], a2[4];
-        COLI_UNROLL_G
-        for (int r = 0; r < 4; r++)
-            a1[r] = a2[r] = _mm512_setzero_si512();
-        for (; j + 64 <= len; j += 64) {
-            __m512i x1 = _mm512_loadu_si512(q1 + i + j), x2 = _mm512_loadu_si512(q2 + i + j);
-            COLI_UNROLL_G
-            for (int r = 0; r < 4; r++) {
-                __m512i u = coli_i4x64_unpack_avx512(
-                    _mm256_loadu_si256((const __m256i *)(wp + r * rb + (i + j) / 2)));
-                a1[r] = _mm512_dpbusd_epi32(a1[r], u, x1);
-                a2[r] = _mm512_dpbusd_epi32(a2[r], u, x2);
-            }
-        }
-        if (j < len) { /* masked tail as in coli_rowdot2s_i4_avx512 */
-            int rem = len - j;
-            __mmask32 mb = (__mmask32)((1ULL << ((rem + 1) / 2)) - 1);
-            __mmask64 mx = ~0ULL >> (64 - rem);
-            __m512i x1 = _mm512_maskz_loadu_epi8(mx, q1 + i + j), x2 = _mm512_maskz_loadu_epi8(mx, q2 + i + j);
-            COLI_UNROLL_G
-            for (int r = 0; r < 4; r++) {
-                __m512i u = coli_i4x64_unpack_avx512(_mm256_maskz_loadu_epi8(mb, wp + r * rb + (i + j) / 2));
-                a1[r] = _mm512_dpbusd_epi32(a1[r], u, x1);
-                a2[r] = _mm512_dpbusd_epi32(a2[r], u, x2);
-            }
-        }
-        int32_t d1[4], d2[4];
-        _mm_storeu_si128((__m128i *)d1, coli_hsum4_i32_avx512(a1[0], a1[1], a1[2], a1[3]));
-        _mm_storeu_si128((__m128i *)d2, coli_hsum4_i32_avx512(a2[0], a2[1], a2[2], a2[3]));
-        COLI_UNROLL_G
-        for (int r = 0; r < 4; r++) {
-            acc1[r] = coli_block_acc(acc1[r], xs1[b], d1[r] - 8 * s1[b]);
-            acc2[r] = coli_block_acc(acc2[r], xs2[b], d2[r] - 8 * s2[b]);
-        }
-    }
-    COLI_UNROLL_G
-    for (int r = 0; r < 4; r++)
-        out[r] = acc1[r] + acc2[r];
 }
 #endif /* COLI_X86 */
 

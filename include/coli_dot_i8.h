@@ -304,21 +304,6 @@ COLI_AVX512 static inline float coli_rowdot_i8_avx512(const int8_t *w, const int
         }                                                                                          \
     }
 
-/* Four consecutive weight rows (row r at w + r*rb) against the idot=2 pair q1/q2 whose block sums
- * s1/s2 are known: out[r] = coli_rowdot2s_<kind>(w + r*rb, ...) = coli_rowdot2_<kind>(...),
- * bit-identical. This generic form calls the one-row kernel per row; AVX-512 has a real 4-row
- * kernel (coli_rowdot2s_<kind>_x4_avx512). */
-#define COLI_ROWDOT2S_X4_BY_ROW(kind, WT, sfx, ATTR)                                               \
-    ATTR static inline void coli_rowdot2s_##kind##_x4_##sfx(const WT *w, long rb, const int8_t *q1, \
-                                                           const float *xs1, const int32_t *s1,     \
-                                                           const int8_t *q2, const float *xs2,      \
-                                                           const int32_t *s2, int n, int block,     \
-                                                           float *out)                              \
-    {                                                                                              \
-        for (int r = 0; r < 4; r++)                                                                \
-            out[r] = coli_rowdot2s_##kind##_##sfx(w + r * rb, q1, xs1, s1, q2, xs2, s2, n, block); \
-    }
-
 /* rowdot2 given the activations' block sums, for a kind whose kernels do not use them */
 #define COLI_ROWDOT2S_IGNORING_SUMS(kind, WT, sfx, ATTR)                                           \
     ATTR static inline float coli_rowdot2s_##kind##_##sfx(const WT *w, const int8_t *q1,           \
@@ -365,7 +350,6 @@ static inline void coli_rowsg_i8_scalar(const int8_t *w, const int8_t *const *q,
 }
 COLI_ROWS_WRAPPERS(i8, int8_t, scalar, )
 COLI_ROWDOT2S_IGNORING_SUMS(i8, int8_t, scalar, )
-COLI_ROWDOT2S_X4_BY_ROW(i8, int8_t, scalar, )
 
 #if COLI_X86
 /* ---------------------------------------- AVX2 ---------------------------------------- */
@@ -458,7 +442,6 @@ COLI_AVX2 static inline void coli_rowsg_i8_avx2(const int8_t *w, const int8_t *c
 }
 COLI_ROWS_WRAPPERS(i8, int8_t, avx2, COLI_AVX2)
 COLI_ROWDOT2S_IGNORING_SUMS(i8, int8_t, avx2, COLI_AVX2)
-COLI_ROWDOT2S_X4_BY_ROW(i8, int8_t, avx2, COLI_AVX2)
 
 /* ------------------------------------- AVX-512 VNNI ------------------------------------- */
 
@@ -546,61 +529,6 @@ COLI_AVX512 static inline void coli_rowsg_i8_avx512(const int8_t *w, const int8_
 COLI_ROWS_WRAPPERS(i8, int8_t, avx512, COLI_AVX512)
 COLI_ROWDOT2S_IGNORING_SUMS(i8, int8_t, avx512, COLI_AVX512)
 
-/* Four consecutive int8 weight rows (row r at w + r*rb) against the idot=2 pair with its block
- * sums: out[r] = coli_rowdot2_i8_avx512(w + r*rb, q1, xs1, q2, xs2, n, block), bit-identical.
- * vpdpbusd wants one unsigned operand: the weight byte w ^ 0x80 = w + 128 is it, so
- *   sum w*x = sum (w + 128)*x - 128 * s[b]
- * with s[b] the activation block sum. The int32 lanes hold at most 255*127*n/16 and the true block
- * dot fits in int32, so the result is exact. One xor per 64 weights is shared by both activation
- * vectors; the activations are loaded once for the four rows. Masked tails: w = 0 lanes become
- * 128, against x = 0. */
-COLI_AVX512 static inline void coli_rowdot2s_i8_x4_avx512(const int8_t *w, long rb, const int8_t *q1,
-                                                          const float *xs1, const int32_t *s1,
-                                                          const int8_t *q2, const float *xs2,
-                                                          const int32_t *s2, int n, int block, float *out)
-{
-    const __m512i bias = _mm512_set1_epi8((char)0x80);
-    float acc1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int i = 0, b = 0;
-    block = coli_block_len(n, block);
-    for (; i < n; i += block, b++) {
-        int len = n - i < block ? n - i : block, j = 0;
-        __m512i a1[4], a2[4];
-        COLI_UNROLL_G
-        for (int r = 0; r < 4; r++)
-            a1[r] = a2[r] = _mm512_setzero_si512();
-        for (; j + 64 <= len; j += 64) {
-            __m512i x1 = _mm512_loadu_si512(q1 + i + j), x2 = _mm512_loadu_si512(q2 + i + j);
-            COLI_UNROLL_G
-            for (int r = 0; r < 4; r++) {
-                __m512i u = _mm512_xor_si512(_mm512_loadu_si512(w + r * rb + i + j), bias);
-                a1[r] = _mm512_dpbusd_epi32(a1[r], u, x1);
-                a2[r] = _mm512_dpbusd_epi32(a2[r], u, x2);
-            }
-        }
-        if (j < len) {
-            __mmask64 m = ~0ULL >> (64 - (len - j));
-            __m512i x1 = _mm512_maskz_loadu_epi8(m, q1 + i + j), x2 = _mm512_maskz_loadu_epi8(m, q2 + i + j);
-            COLI_UNROLL_G
-            for (int r = 0; r < 4; r++) {
-                __m512i u = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, w + r * rb + i + j), bias);
-                a1[r] = _mm512_dpbusd_epi32(a1[r], u, x1);
-                a2[r] = _mm512_dpbusd_epi32(a2[r], u, x2);
-            }
-        }
-        int32_t d1[4], d2[4];
-        _mm_storeu_si128((__m128i *)d1, coli_hsum4_i32_avx512(a1[0], a1[1], a1[2], a1[3]));
-        _mm_storeu_si128((__m128i *)d2, coli_hsum4_i32_avx512(a2[0], a2[1], a2[2], a2[3]));
-        COLI_UNROLL_G
-        for (int r = 0; r < 4; r++) {
-            acc1[r] = coli_block_acc(acc1[r], xs1[b], d1[r] - 128 * s1[b]);
-            acc2[r] = coli_block_acc(acc2[r], xs2[b], d2[r] - 128 * s2[b]);
-        }
-    }
-    COLI_UNROLL_G
-    for (int r = 0; r < 4; r++)
-        out[r] = acc1[r] + acc2[r];
-}
 #endif /* COLI_X86 */
 
 #endif /* COLI_DOT_I8_H */

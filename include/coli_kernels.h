@@ -26,6 +26,7 @@
 #include "coli_dot_i4.h"
 #include "coli_dot_f32.h"
 #include "coli_axpy.h"
+#include "coli_rows4.h"
 #include "coli_quant.h"
 
 enum { COLI_ISA_SCALAR = 0, COLI_ISA_AVX2 = 1, COLI_ISA_AVX512VNNI = 2 };

@@ -229,3 +229,23 @@ def test_matmul_rejects_bad_shapes():
         _core.QT.from_packed(np.zeros(10, np.uint8), np.ones(4, np.float32), 4, 8)
     with pytest.raises(ValueError):
         _core.matmul(qt, np.ones((1, 8), np.float32), block=30)
+
+
+@pytest.mark.parametrize("opt", ["-O0", "-O2"])
+def test_kernel_headers_build_at_any_optimization_and_pass_the_selftest(tmp_path, opt):
+    """The C kernels compile as plain C at -O0 and -O2 too (no intrinsic immediates that only
+    unrolling makes constant) and pass tools/kernel_selftest.c: exact integer dots, bit-identical
+    variants, no read past a buffer's end (guard pages)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler builds the extension, so one is installed"
+    root = Path(__file__).resolve().parent.parent
+    exe = tmp_path / "kst"
+    subprocess.run([cc, opt, "-I", str(root / "include"), str(root / "tools" / "kernel_selftest.c"),
+                    "-o", str(exe), "-lm"], check=True, capture_output=True, timeout=300)
+    p = subprocess.run([str(exe), "--no-bench"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "0 failures" in p.stdout
+
