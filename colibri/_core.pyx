@@ -423,6 +423,39 @@ cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
             y[<Py_ssize_t>s * O + o] = qt_rowdot_f(W, o, x + <Py_ssize_t>s * I)
 
 
+cdef enum:
+    MANY_MAX = 4        # matrices of one matmul_many call
+
+
+cdef void matmul_many(const QTc **Ws, float **ys, int nW, const float *x, int S, int8_t *xq, float *xs,
+                      float *xr, int block, int idot, int32_t *xsum) noexcept nogil:
+    """ys[k][S, O_k] = x[S, I] · W_kᵀ for nW (<= MANY_MAX) integer-format matrices of the same input
+    width: x is quantized once and one parallel region covers the output groups of all of them
+    (attention's input projections q_a, kv_a and the indexer's wk). Every output is computed as
+    matmul_qt computes it, so the results are bit-identical to one call per matrix."""
+    cdef int I = Ws[0].I, nb = act_nblocks(I, block), k, g, s, total = 0
+    cdef int blk = I if nb == 1 else block
+    cdef int starts[MANY_MAX + 1]
+    cdef Py_ssize_t off2 = <Py_ssize_t>S * I
+    cdef double macs = 0.0
+    for k in range(nW):
+        starts[k] = total
+        total += n_groups(Ws[k].O)
+        macs += <double>Ws[k].O * I * S
+    starts[nW] = total
+    cdef int nt = 1 if macs < PARALLEL_MIN_MACS else coli_max_threads()
+    for s in range(S):
+        quant_row(x + <Py_ssize_t>s * I, I, blk, idot, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb,
+                  xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb, xr,
+                  xsum + <Py_ssize_t>s * nb if xsum != NULL else NULL,
+                  xsum + <Py_ssize_t>(S + s) * nb if xsum != NULL else NULL)
+    for g in prange(total, schedule='static', nogil=True, num_threads=nt):
+        k = 0
+        while starts[k + 1] <= g:
+            k = k + 1
+        int_group(Ws[k], g - starts[k], S, xq, xs, nb, blk, idot, ys[k], xsum)
+
+
 # ---------------------------------------------------------------------------------------------
 # Fused FFN group: every FFN of one MoE layer call (routed experts + shared expert), or a dense MLP,
 # in one parallel region
@@ -1289,6 +1322,29 @@ cdef class Model:
                       &ws.xm[0] if BLOCK_SUMS else NULL)
         return 0
 
+    cdef int _mm_many(self, list Ws, const float *x, int S, list outs, Work ws) except -1:
+        """outs[k][S, O_k] = x · Ws[k]ᵀ for integer matrices of one input width, in one region
+        (matmul_many); outs are float32 [S', O_k] arrays with S' >= S."""
+        cdef const QTc *cs[MANY_MAX]
+        cdef float *ys[MANY_MAX]
+        cdef float[:, ::1] o
+        cdef int k, nW = len(Ws)
+        if not 0 < nW <= MANY_MAX or len(outs) != nW:
+            raise EngineError("matmul_many: 1 to 4 matrices, one output each")
+        for k in range(nW):
+            W = <QT>Ws[k]
+            o = outs[k]
+            if W.c.I != (<QT>Ws[0]).c.I or not int_qt(W, self.idot) or o.shape[0] < S or o.shape[1] < W.c.O:
+                raise EngineError("matmul_many: matrices of one input width, integer formats, outputs that fit")
+            cs[k] = &(<QT>Ws[k]).c
+            ys[k] = &o[0, 0]
+        if 2 * <Py_ssize_t>S * cs[0].I > ws.xq.shape[0] or cs[0].I > ws.xr.shape[0]:
+            raise EngineError(f"matmul of {S} rows x {cs[0].I} inputs exceeds the activation scratch")
+        with nogil:
+            matmul_many(cs, ys, nW, x, S, &ws.xq[0], &ws.xs[0], &ws.xr[0], self.act_block, self.idot,
+                        &ws.xm[0] if BLOCK_SUMS else NULL)
+        return 0
+
     # -- forward -------------------------------------------------------------------------------
 
     def embed_row(self, int tok, out):
@@ -1311,8 +1367,15 @@ cdef class Model:
         cdef float[:, ::1] Lc = self.Lc[L.index], Rc = self.Rc[L.index]
         cdef float[::1] qa_ln = L.q_a_ln, inv = self.inv_freq
         # Step 1: projections of the new rows; write their latent + rotated key into the cache.
-        self._mm(L.q_a, &n[0, 0], S, &qr[0, 0], ws)
-        self.kv_write(L, n, S, pos_base, ws)
+        cdef bint sparse = self.has_dsa and L.index < c.n_layers
+        # q_a, kv_a (and the indexer's wk) share the input: one quantization, one parallel region
+        ins = [L.q_a, L.kv_a] + ([L.iwk] if sparse and L.idx_full else [])
+        cdef bint together = all(int_qt(W, self.idot) and (<QT>W).c.I == (<QT>L.q_a).c.I for W in ins)
+        if together:
+            self._mm_many(ins, &n[0, 0], S, [ws.qr, ws.ckv, ws.ik][:len(ins)], ws)
+        else:
+            self._mm(L.q_a, &n[0, 0], S, &qr[0, 0], ws)
+        self.kv_write(L, n, S, pos_base, ws, together)
         with nogil:
             for s in range(S):
                 rmsnorm_row(&qr[s, 0], &qr[s, 0], &qa_ln[0], Lq, eps)
@@ -1327,9 +1390,8 @@ cdef class Model:
         cdef int k0 = self.kv_start[L.index]
         if k0 < 0 or k0 > pos_base:
             raise EngineError(f"layer {L.index}: KV window starts at {k0}, after position {pos_base}")
-        cdef bint sparse = self.has_dsa and L.index < c.n_layers
         if sparse and L.idx_full:
-            self._dsa_select(L, n, S, pos_base, ws)
+            self._dsa_select(L, n, S, pos_base, ws, together)
         cdef int *sel = &ws.sel[0, 0] if sparse else NULL
         cdef int *nsel = &ws.nsel[0] if sparse else NULL
         cdef int topk = ws.sel.shape[1]
@@ -1361,16 +1423,18 @@ cdef class Model:
                                     &tbuf[threadid(), 0], &ctx[s // H, 0])
         self._mm(L.o_proj, &ctx[0, 0], S, &out[0, 0], ws)
 
-    def kv_write(self, Layer L, float[:, ::1] n, int S, int pos_base, Work ws):
+    def kv_write(self, Layer L, float[:, ::1] n, int S, int pos_base, Work ws, bint projected=False):
         """The compressed KV rows of positions pos_base..pos_base+S-1 from the normalized layer
-        input n [S, D]: Lc[pos] = kv_a_layernorm(latent), Rc[pos] = rope(shared key)."""
+        input n [S, D]: Lc[pos] = kv_a_layernorm(latent), Rc[pos] = rope(shared key).
+        projected: ws.ckv already holds kv_a · n (attention computed it with q_a)."""
         c = self.cfg
         cdef int Lkv = c.kv_lora, dr = c.qk_rope, s, pos
         cdef float eps = LORA_NORM_EPS
         cdef float[:, ::1] ckv = ws.ckv
         cdef float[:, ::1] Lc = self.Lc[L.index], Rc = self.Rc[L.index]
         cdef float[::1] kv_ln = L.kv_a_ln, inv = self.inv_freq
-        self._mm(L.kv_a, &n[0, 0], S, &ckv[0, 0], ws)
+        if not projected:
+            self._mm(L.kv_a, &n[0, 0], S, &ckv[0, 0], ws)
         with nogil:
             for s in range(S):
                 pos = pos_base + s
@@ -1378,7 +1442,7 @@ cdef class Model:
                 memcpy(&Rc[pos, 0], &ckv[s, Lkv], dr * sizeof(float))
                 rope_interleave(&Rc[pos, 0], dr, pos, &inv[0])
 
-    def _dsa_select(self, Layer L, float[:, ::1] n, int S, int pos_base, Work ws):
+    def _dsa_select(self, Layer L, float[:, ::1] n, int S, int pos_base, Work ws, bint projected=False):
         """Lightning indexer of a full layer: write this batch's indexer keys, then per query keep
         the index_topk keys of highest score Σ_h w_h·relu(q_h·k_t / √hd), w = weights_proj(n)/√nh
         (q from the q_a_layernorm output). A query whose causal context fits in index_topk keeps
@@ -1394,7 +1458,8 @@ cdef class Model:
         cdef bint force = self.dsa_force
         cdef float eps = INDEXER_NORM_EPS
         cdef float qscale = 1.0 / sqrt(hd), wscale = 1.0 / sqrt(nh)
-        self._mm(L.iwk, &n[0, 0], S, &ik[0, 0], ws)
+        if not projected:                 # else attention computed ik = wk · n with q_a
+            self._mm(L.iwk, &n[0, 0], S, &ik[0, 0], ws)
         with nogil:
             for s in range(S):
                 pos = pos_base + s
