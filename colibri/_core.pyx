@@ -300,7 +300,6 @@ def set_kernel_flags(block_sums=None, group_kernels=None, prefetch_groups=None):
             "prefetch_groups": PREFETCH_GROUPS}
 
 cdef enum:
-    PREFETCH_ROWS = 4   # weight rows prefetched ahead of the one being multiplied
     GROUP_ROWS = 4      # weight rows per work item of the integer matmuls (see int_group)
 
 
@@ -392,6 +391,19 @@ cdef inline void quant_row(const float *x, int n, int blk, int idot, int8_t *q1,
             coli_block_sums(q2, n, blk, m2)
 
 
+cdef inline void quant_rows(const float *x, int S, int I, int blk, int nb, int idot, int8_t *xq, float *xs,
+                            float *xr, int32_t *xsum) noexcept nogil:
+    """The integer matmuls' input: quant_row of each of the S rows of x [S, I] into xq [2·S·I]
+    (first the S Q8 rows, then their S residual rows), xs / xsum [2·S·nb] the same way."""
+    cdef int s
+    cdef Py_ssize_t off2 = <Py_ssize_t>S * I
+    for s in range(S):
+        quant_row(x + <Py_ssize_t>s * I, I, blk, idot, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb,
+                  xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb, xr,
+                  xsum + <Py_ssize_t>s * nb if xsum != NULL else NULL,
+                  xsum + <Py_ssize_t>(S + s) * nb if xsum != NULL else NULL)
+
+
 cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
                     int8_t *xq, float *xs, float *xr, int block, int idot, int32_t *xsum=NULL) noexcept nogil:
     """y[S, O] = x[S, I] · Wᵀ. Each output element is computed by one thread, and a row's result
@@ -402,19 +414,13 @@ cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
     max instead of 1/254) at the cost of a second integer dot.
     Scratch: xq int8 [2·S·I], xs f32 [2·S·nblocks], xr f32 [I]."""
     cdef int O = W.O, I = W.I
-    cdef int o, s, nb, blk, i
-    cdef Py_ssize_t off2
+    cdef int o, s, nb, blk
     # Small products run on one thread: a parallel region costs more than it saves there.
     cdef int nt = 1 if <double>O * I * S < PARALLEL_MIN_MACS else coli_max_threads()
     if (W.fmt == FMT_I8 or W.fmt == FMT_I4) and idot != IDOT_FLOAT:
         nb = act_nblocks(I, block)
         blk = I if nb == 1 else block
-        off2 = <Py_ssize_t>S * I
-        for s in range(S):
-            quant_row(x + <Py_ssize_t>s * I, I, blk, idot, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb,
-                      xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb, xr,
-                      xsum + <Py_ssize_t>s * nb if xsum != NULL else NULL,
-                      xsum + <Py_ssize_t>(S + s) * nb if xsum != NULL else NULL)
+        quant_rows(x, S, I, blk, nb, idot, xq, xs, xr, xsum)
         for o in prange(n_groups(O), schedule='static', nogil=True, num_threads=nt):
             int_group(W, o, S, xq, xs, nb, blk, idot, y, xsum)
         return
@@ -433,10 +439,9 @@ cdef void matmul_many(const QTc **Ws, float **ys, int nW, const float *x, int S,
     width: x is quantized once and one parallel region covers the output groups of all of them
     (attention's input projections q_a, kv_a and the indexer's wk). Every output is computed as
     matmul_qt computes it, so the results are bit-identical to one call per matrix."""
-    cdef int I = Ws[0].I, nb = act_nblocks(I, block), k, g, s, total = 0
+    cdef int I = Ws[0].I, nb = act_nblocks(I, block), k, g, total = 0
     cdef int blk = I if nb == 1 else block
     cdef int starts[MANY_MAX + 1]
-    cdef Py_ssize_t off2 = <Py_ssize_t>S * I
     cdef double macs = 0.0
     for k in range(nW):
         starts[k] = total
@@ -444,11 +449,7 @@ cdef void matmul_many(const QTc **Ws, float **ys, int nW, const float *x, int S,
         macs += <double>Ws[k].O * I * S
     starts[nW] = total
     cdef int nt = 1 if macs < PARALLEL_MIN_MACS else coli_max_threads()
-    for s in range(S):
-        quant_row(x + <Py_ssize_t>s * I, I, blk, idot, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb,
-                  xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb, xr,
-                  xsum + <Py_ssize_t>s * nb if xsum != NULL else NULL,
-                  xsum + <Py_ssize_t>(S + s) * nb if xsum != NULL else NULL)
+    quant_rows(x, S, I, blk, nb, idot, xq, xs, xr, xsum)
     for g in prange(total, schedule='static', nogil=True, num_threads=nt):
         k = 0
         while starts[k + 1] <= g:
