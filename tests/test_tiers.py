@@ -79,6 +79,33 @@ def test_present_experts_are_multiplied_during_reads_exactly(int4, monkeypatch):
     assert np.array_equal(logits, plain_logits) and np.array_equal(logits, base_logits)
 
 
+@pytest.mark.parametrize("kw", [dict(cache_experts=1, io_threads=2), dict(cache_experts=1, direct=True)])
+def test_shard_that_shrinks_while_decoding_is_a_clear_error(int4, tmp_path, kw):
+    """The container is cut short while a model streams its experts from it: the next call that
+    must read a lost expert raises an error naming the file (from the overlapped MoE path, the
+    prefetch thread or a plain read), without a hang or a crash, and the model can be closed."""
+    import shutil
+    from colibri.st import ContainerError
+    model = tmp_path / "m"
+    shutil.copytree(int4, model)
+    try:
+        m = model_init(model, **kw)
+    except ContainerError as e:                     # O_DIRECT unsupported here: said clearly
+        assert "O_DIRECT" in str(e)
+        return
+    ref = json.loads((DATA / "tiny_dsa" / "ref.json").read_text())
+    ids = list(ref["prompt_ids"])
+    m.kv_alloc(len(ids) + 40)
+    logits = m.step(ids, 0)
+    shard = next(p for p in model.iterdir() if p.suffix == ".safetensors")
+    os.truncate(shard, os.path.getsize(shard) // 3)
+    with pytest.raises(Exception) as ei:
+        for i in range(30):                         # some step must miss an expert that is gone
+            logits = m.step([int(np.argmax(logits))], len(ids) + i)
+    assert shard.name in str(ei.value) and "short read" in str(ei.value), repr(ei.value)
+    m.cache.close()
+
+
 def test_evicted_expert_buffers_are_reused_exactly(int4):
     """Loads reuse the payload buffers of evicted experts once nothing references them; the
     outputs stay bit-identical to a cache that never evicts."""
