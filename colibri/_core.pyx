@@ -69,6 +69,12 @@ cdef extern from "coli_kernels.h" nogil:
     void coli_rowdot2s_i8_x4(const int8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
                              const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
                              float *out)
+    void coli_rowdot2s_i4_x4x2(const uint8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
+                               const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
+                               long qstep, long sstep, float *out)
+    void coli_rowdot2s_i8_x4x2(const int8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
+                               const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
+                               long qstep, long sstep, float *out)
 
 cdef extern from "coli_prefetch.h" nogil:
     void coli_prefetch_row(const void *p, Py_ssize_t nbytes)
@@ -301,6 +307,7 @@ def set_kernel_flags(block_sums=None, group_kernels=None, prefetch_groups=None):
 
 cdef enum:
     GROUP_ROWS = 4      # weight rows per work item of the integer matmuls (see int_group)
+    GROUP_MAX_S = 17    # activation rows (decode, verify batches) up to which the four-row kernels run
 
 
 cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const float *xs, int nb, int blk,
@@ -350,25 +357,39 @@ cdef inline int n_groups(int O) noexcept nogil:
 cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const float *xs, int nb, int blk,
                            int idot, float *y, const int32_t *xsum=NULL) noexcept nogil:
     """Output columns GROUP_ROWS·grp .. (the group's rows < W.O) of an integer-path matmul for all
-    S activation rows, prefetching the weights PREFETCH_GROUPS groups ahead. A single decode row
-    with its activation block sums known takes the four-row kernels (one pass over the activations
-    for four weight rows; bit-identical to int_row per column); anything else is int_row per column."""
-    cdef float r4[GROUP_ROWS]
-    cdef int o0 = grp * GROUP_ROWS, r, ahead = o0 + PREFETCH_GROUPS * GROUP_ROWS
+    S activation rows, prefetching the weights PREFETCH_GROUPS groups ahead. Decode rows and verify
+    batches (S <= GROUP_MAX_S) with their activation block sums known take the four-row kernels,
+    two activation rows at a time (one pass over the activations for four weight rows;
+    bit-identical to int_row per column); anything else is int_row per column."""
+    cdef float r4[2 * GROUP_ROWS]
+    cdef int o0 = grp * GROUP_ROWS, r, s, p, ahead = o0 + PREFETCH_GROUPS * GROUP_ROWS
+    cdef Py_ssize_t q, m
     cdef int n = W.O - o0 if W.O - o0 < GROUP_ROWS else GROUP_ROWS
     cdef Py_ssize_t off2 = <Py_ssize_t>S * W.I, soff2 = <Py_ssize_t>S * nb
     cdef const uint8_t *row = W.q + <Py_ssize_t>o0 * W.rb
     if PREFETCH_GROUPS > 0 and ahead < W.O:
         coli_prefetch_row(W.q + <Py_ssize_t>ahead * W.rb,
                           (GROUP_ROWS if W.O - ahead > GROUP_ROWS else W.O - ahead) * W.rb)
-    if n == GROUP_ROWS and S == 1 and idot == IDOT_Q8X2 and xsum != NULL and GROUP_KERNELS:
-        if W.fmt == FMT_I4:
-            coli_rowdot2s_i4_x4(row, W.rb, xq, xs, xsum, xq + off2, xs + soff2, xsum + soff2, W.I, blk, r4)
-        else:
-            coli_rowdot2s_i8_x4(<const int8_t *>row, W.rb, xq, xs, xsum, xq + off2, xs + soff2, xsum + soff2,
-                                W.I, blk, r4)
-        for r in range(GROUP_ROWS):
-            y[o0 + r] = r4[r] * W.s[o0 + r]
+    if n == GROUP_ROWS and S <= GROUP_MAX_S and idot == IDOT_Q8X2 and xsum != NULL and GROUP_KERNELS:
+        # activation rows two at a time (a verify batch), then the odd one (decode: the only one)
+        for s in range(0, S, 2):
+            q = <Py_ssize_t>s * W.I
+            m = <Py_ssize_t>s * nb
+            if s + 1 < S and W.fmt == FMT_I4:
+                coli_rowdot2s_i4_x4x2(row, W.rb, xq + q, xs + m, xsum + m, xq + off2 + q, xs + soff2 + m,
+                                      xsum + soff2 + m, W.I, blk, W.I, nb, r4)
+            elif s + 1 < S:
+                coli_rowdot2s_i8_x4x2(<const int8_t *>row, W.rb, xq + q, xs + m, xsum + m, xq + off2 + q,
+                                      xs + soff2 + m, xsum + soff2 + m, W.I, blk, W.I, nb, r4)
+            elif W.fmt == FMT_I4:
+                coli_rowdot2s_i4_x4(row, W.rb, xq + q, xs + m, xsum + m, xq + off2 + q, xs + soff2 + m,
+                                    xsum + soff2 + m, W.I, blk, r4)
+            else:
+                coli_rowdot2s_i8_x4(<const int8_t *>row, W.rb, xq + q, xs + m, xsum + m, xq + off2 + q,
+                                    xs + soff2 + m, xsum + soff2 + m, W.I, blk, r4)
+            for p in range(2 if s + 1 < S else 1):
+                for r in range(GROUP_ROWS):
+                    y[<Py_ssize_t>(s + p) * W.O + o0 + r] = r4[GROUP_ROWS * p + r] * W.s[o0 + r]
         return
     for r in range(n):
         int_row(W, o0 + r, S, xq, xs, nb, blk, idot, y, xsum)

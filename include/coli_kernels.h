@@ -57,6 +57,12 @@ typedef struct coli_kernel_table {
     void (*rowdot2s_i8_x4)(const int8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
                            const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
                            float *out);
+    void (*rowdot2s_i4_x4x2)(const uint8_t *w_packed, long rb, const int8_t *q1, const float *xs1,
+                             const int32_t *s1, const int8_t *q2, const float *xs2, const int32_t *s2,
+                             int n, int block, long qstep, long sstep, float *out);
+    void (*rowdot2s_i8_x4x2)(const int8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
+                             const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
+                             long qstep, long sstep, float *out);
     void (*axpy_f32)(float *y, float c, const float *x, int n);
     void (*axpy_q8f32)(float *y, float c, const int8_t *w, int n);
     void (*axpy_q4f32)(float *y, float c, const uint8_t *w_packed, int n);
@@ -75,7 +81,8 @@ typedef struct coli_kernel_table {
       coli_rowdot_i4_##sfx, coli_dot_f32_##sfx, coli_dot_q8f32_##sfx, coli_dot_q4f32_##sfx, \
       coli_quantize_q8_##sfx, coli_rowdot2_i8_##sfx, coli_rowdot2_i4_##sfx,                  \
       coli_rowdot_i8_rows_##sfx, coli_rowdot_i4_rows_##sfx, coli_rowdot2s_i4_##sfx,            \
-      coli_rowdot2s_i4_x4_##sfx, coli_rowdot2s_i8_x4_##sfx, coli_axpy_f32_##sfx,            \
+      coli_rowdot2s_i4_x4_##sfx, coli_rowdot2s_i8_x4_##sfx, coli_rowdot2s_i4_x4x2_##sfx,    \
+      coli_rowdot2s_i8_x4x2_##sfx, coli_axpy_f32_##sfx,                                      \
       coli_axpy_q8f32_##sfx, coli_axpy_q4f32_##sfx, coli_axpy_rows_f32_##sfx,                 \
       coli_axpy_rows_q8f32_##sfx, coli_axpy_rows_q4f32_##sfx, coli_dots_f32_##sfx,            \
       coli_dots_q8f32_##sfx, coli_dots_q4f32_##sfx }
@@ -205,6 +212,24 @@ static inline void coli_rowdot2s_i8_x4(const int8_t *w, long rb, const int8_t *q
                                        const int32_t *s2, int n, int block, float *out)
 {
     coli_kt.rowdot2s_i8_x4(w, rb, q1, xs1, s1, q2, xs2, s2, n, block, out);
+}
+
+/* coli_rowdot2s_*_x4 for two activation rows at once (a verify batch): row p's q1 / q2 at
+ * + p * qstep, its scales and block sums at + p * sstep; out[4 * p + r] */
+static inline void coli_rowdot2s_i4_x4x2(const uint8_t *w_packed, long rb, const int8_t *q1, const float *xs1,
+                                         const int32_t *s1, const int8_t *q2, const float *xs2,
+                                         const int32_t *s2, int n, int block, long qstep, long sstep,
+                                         float *out)
+{
+    coli_kt.rowdot2s_i4_x4x2(w_packed, rb, q1, xs1, s1, q2, xs2, s2, n, block, qstep, sstep, out);
+}
+
+static inline void coli_rowdot2s_i8_x4x2(const int8_t *w, long rb, const int8_t *q1, const float *xs1,
+                                         const int32_t *s1, const int8_t *q2, const float *xs2,
+                                         const int32_t *s2, int n, int block, long qstep, long sstep,
+                                         float *out)
+{
+    coli_kt.rowdot2s_i8_x4x2(w, rb, q1, xs1, s1, q2, xs2, s2, n, block, qstep, sstep, out);
 }
 
 /* y[i] += c * x[i] (x float / int8 / packed int4 - 8), element by element, bit-identical across

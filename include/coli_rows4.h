@@ -28,12 +28,28 @@
         for (int r = 0; r < 4; r++)                                                                \
             out[r] = coli_rowdot2s_##kind##_##sfx(w + r * rb, q1, xs1, s1, q2, xs2, s2, n, block); \
     }
+#define COLI_ROWDOT2S_X4X2_BY_ROW(kind, WT, sfx, ATTR)                                             \
+    ATTR static inline void coli_rowdot2s_##kind##_x4x2_##sfx(const WT *w, long rb, const int8_t *q1, \
+                                                             const float *xs1, const int32_t *s1,   \
+                                                             const int8_t *q2, const float *xs2,    \
+                                                             const int32_t *s2, int n, int block,   \
+                                                             long qstep, long sstep, float *out)    \
+    {                                                                                              \
+        for (int p = 0; p < 2; p++)                                                                \
+            coli_rowdot2s_##kind##_x4_##sfx(w, rb, q1 + p * qstep, xs1 + p * sstep, s1 + p * sstep, \
+                                            q2 + p * qstep, xs2 + p * sstep, s2 + p * sstep, n,     \
+                                            block, out + 4 * p);                                   \
+    }
 COLI_ROWDOT2S_X4_BY_ROW(i8, int8_t, scalar, )
 COLI_ROWDOT2S_X4_BY_ROW(i4, uint8_t, scalar, )
+COLI_ROWDOT2S_X4X2_BY_ROW(i8, int8_t, scalar, )
+COLI_ROWDOT2S_X4X2_BY_ROW(i4, uint8_t, scalar, )
 
 #if COLI_X86
 COLI_ROWDOT2S_X4_BY_ROW(i8, int8_t, avx2, COLI_AVX2)
 COLI_ROWDOT2S_X4_BY_ROW(i4, uint8_t, avx2, COLI_AVX2)
+COLI_ROWDOT2S_X4X2_BY_ROW(i8, int8_t, avx2, COLI_AVX2)
+COLI_ROWDOT2S_X4X2_BY_ROW(i4, uint8_t, avx2, COLI_AVX2)
 
 /* 64 weights of one row from element `at` on as vpdpbusd's unsigned operand: int4 keeps its
  * stored nibble u = v + 8, int8 becomes w ^ 0x80 = w + 128 (the kernel subtracts 8 resp. 128
@@ -51,61 +67,81 @@ COLI_AVX512 static COLI_ALWAYS_INLINE __m512i coli_x4_weights_avx512(const uint8
     return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
 }
 
-/* a1[r] += u_r · x1, a2[r] += u_r · x2 for the four rows' 64 weights from element `at` */
+/* For activation rows p < P: a1[p][r] += u_r · x1[p], a2[p][r] += u_r · x2[p] for the four weight
+ * rows' 64 weights from element `at` (each weight vector decoded once for all P rows) */
 COLI_AVX512 static COLI_ALWAYS_INLINE void coli_x4_step_avx512(const uint8_t *w, long rb, int at, int rem,
-                                                               __m512i x1, __m512i x2, __m512i *a1,
-                                                               __m512i *a2, const int is4)
+                                                               const __m512i *x1, const __m512i *x2,
+                                                               __m512i (*a1)[4], __m512i (*a2)[4],
+                                                               const int P, const int is4)
 {
     COLI_UNROLL_G
     for (int r = 0; r < 4; r++) {
         __m512i u = coli_x4_weights_avx512(w + r * rb, at, rem, is4);
-        a1[r] = _mm512_dpbusd_epi32(a1[r], u, x1);
-        a2[r] = _mm512_dpbusd_epi32(a2[r], u, x2);
+        for (int p = 0; p < P; p++) {
+            a1[p][r] = _mm512_dpbusd_epi32(a1[p][r], u, x1[p]);
+            a2[p][r] = _mm512_dpbusd_epi32(a2[p][r], u, x2[p]);
+        }
     }
 }
 
-/* The four-row kernel for int4 (is4) or int8 rows. Per block: the activations are loaded once,
- * each row adds u·x1 and u·x2 into its own int32 lanes, then the four rows' sums are reduced
- * together and each row accumulates xs * (sum - bias * s) in block order (coli_block_acc), the
- * one-row kernels' float operations. The lanes may wrap for int8 (255 * 127 per product), but
- * the arithmetic is exact modulo 2^32 and the true block dot fits in int32. */
+/* The four-row kernel for int4 (is4) or int8 rows and P (1 or 2) activation rows; row p's q1 /
+ * q2 at + p * qstep, its scales and block sums at + p * sstep; out[4 * p + r]. Per block: the
+ * activations are loaded once, each (activation row, weight row) adds u·x1 and u·x2 into its own
+ * int32 lanes, then the four weight rows' sums are reduced together and each accumulates
+ * xs * (sum - bias * s) in block order (coli_block_acc): per output, the one-row kernels' float
+ * operations. The lanes may wrap for int8 (255 * 127 per product), but the arithmetic is exact
+ * modulo 2^32 and the true block dot fits in int32. */
 COLI_AVX512 static COLI_ALWAYS_INLINE void coli_rowdot2s_x4_k_avx512(const uint8_t *w, long rb, const int8_t *q1,
                                                                      const float *xs1, const int32_t *s1,
                                                                      const int8_t *q2, const float *xs2,
                                                                      const int32_t *s2, int n, int block,
-                                                                     float *out, const int is4)
+                                                                     long qstep, long sstep, float *out,
+                                                                     const int P, const int is4)
 {
     const int32_t bias = is4 ? 8 : 128;
-    float acc1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float acc1[2][4] = {{0.0f}}, acc2[2][4] = {{0.0f}};
     int i = 0, b = 0;
     block = coli_block_len(n, block);
     for (; i < n; i += block, b++) {
         int len = n - i < block ? n - i : block;
-        __m512i a1[4], a2[4];
-        COLI_UNROLL_G
-        for (int r = 0; r < 4; r++)
-            a1[r] = a2[r] = _mm512_setzero_si512();
+        __m512i a1[2][4], a2[2][4], x1[2], x2[2];
+        for (int p = 0; p < P; p++)
+            COLI_UNROLL_G
+            for (int r = 0; r < 4; r++)
+                a1[p][r] = a2[p][r] = _mm512_setzero_si512();
         int j = 0;
-        for (; j + 64 <= len; j += 64)
-            coli_x4_step_avx512(w, rb, i + j, 64, _mm512_loadu_si512(q1 + i + j), _mm512_loadu_si512(q2 + i + j),
-                                a1, a2, is4);
+        for (; j + 64 <= len; j += 64) {
+            for (int p = 0; p < P; p++) {
+                x1[p] = _mm512_loadu_si512(q1 + p * qstep + i + j);
+                x2[p] = _mm512_loadu_si512(q2 + p * qstep + i + j);
+            }
+            coli_x4_step_avx512(w, rb, i + j, 64, x1, x2, a1, a2, P, is4);
+        }
         if (j < len) {
             __mmask64 mx = ~0ULL >> (64 - (len - j));
-            coli_x4_step_avx512(w, rb, i + j, len - j, _mm512_maskz_loadu_epi8(mx, q1 + i + j),
-                                _mm512_maskz_loadu_epi8(mx, q2 + i + j), a1, a2, is4);
+            for (int p = 0; p < P; p++) {
+                x1[p] = _mm512_maskz_loadu_epi8(mx, q1 + p * qstep + i + j);
+                x2[p] = _mm512_maskz_loadu_epi8(mx, q2 + p * qstep + i + j);
+            }
+            coli_x4_step_avx512(w, rb, i + j, len - j, x1, x2, a1, a2, P, is4);
         }
-        int32_t d1[4], d2[4];
-        _mm_storeu_si128((__m128i *)d1, coli_hsum4_i32_avx512(a1[0], a1[1], a1[2], a1[3]));
-        _mm_storeu_si128((__m128i *)d2, coli_hsum4_i32_avx512(a2[0], a2[1], a2[2], a2[3]));
-        COLI_UNROLL_G
-        for (int r = 0; r < 4; r++) {
-            acc1[r] = coli_block_acc(acc1[r], xs1[b], d1[r] - bias * s1[b]);
-            acc2[r] = coli_block_acc(acc2[r], xs2[b], d2[r] - bias * s2[b]);
+        for (int p = 0; p < P; p++) {
+            int32_t d1[4], d2[4];
+            _mm_storeu_si128((__m128i *)d1, coli_hsum4_i32_avx512(a1[p][0], a1[p][1], a1[p][2], a1[p][3]));
+            _mm_storeu_si128((__m128i *)d2, coli_hsum4_i32_avx512(a2[p][0], a2[p][1], a2[p][2], a2[p][3]));
+            float sc1 = xs1[p * sstep + b], sc2 = xs2[p * sstep + b];
+            int32_t c1 = bias * s1[p * sstep + b], c2 = bias * s2[p * sstep + b];
+            COLI_UNROLL_G
+            for (int r = 0; r < 4; r++) {
+                acc1[p][r] = coli_block_acc(acc1[p][r], sc1, d1[r] - c1);
+                acc2[p][r] = coli_block_acc(acc2[p][r], sc2, d2[r] - c2);
+            }
         }
     }
-    COLI_UNROLL_G
-    for (int r = 0; r < 4; r++)
-        out[r] = acc1[r] + acc2[r];
+    for (int p = 0; p < P; p++)
+        COLI_UNROLL_G
+        for (int r = 0; r < 4; r++)
+            out[4 * p + r] = acc1[p][r] + acc2[p][r];
 }
 
 COLI_AVX512 static inline void coli_rowdot2s_i4_x4_avx512(const uint8_t *w, long rb, const int8_t *q1,
@@ -113,7 +149,7 @@ COLI_AVX512 static inline void coli_rowdot2s_i4_x4_avx512(const uint8_t *w, long
                                                           const int8_t *q2, const float *xs2,
                                                           const int32_t *s2, int n, int block, float *out)
 {
-    coli_rowdot2s_x4_k_avx512(w, rb, q1, xs1, s1, q2, xs2, s2, n, block, out, 1);
+    coli_rowdot2s_x4_k_avx512(w, rb, q1, xs1, s1, q2, xs2, s2, n, block, 0, 0, out, 1, 1);
 }
 
 COLI_AVX512 static inline void coli_rowdot2s_i8_x4_avx512(const int8_t *w, long rb, const int8_t *q1,
@@ -121,7 +157,27 @@ COLI_AVX512 static inline void coli_rowdot2s_i8_x4_avx512(const int8_t *w, long 
                                                           const int8_t *q2, const float *xs2,
                                                           const int32_t *s2, int n, int block, float *out)
 {
-    coli_rowdot2s_x4_k_avx512((const uint8_t *)w, rb, q1, xs1, s1, q2, xs2, s2, n, block, out, 0);
+    coli_rowdot2s_x4_k_avx512((const uint8_t *)w, rb, q1, xs1, s1, q2, xs2, s2, n, block, 0, 0, out, 1, 0);
+}
+
+/* The same for two activation rows at once (a verify batch): row p's q1 / q2 at + p * qstep, its
+ * xs / s at + p * sstep; out[4 * p + r] */
+COLI_AVX512 static inline void coli_rowdot2s_i4_x4x2_avx512(const uint8_t *w, long rb, const int8_t *q1,
+                                                            const float *xs1, const int32_t *s1,
+                                                            const int8_t *q2, const float *xs2,
+                                                            const int32_t *s2, int n, int block,
+                                                            long qstep, long sstep, float *out)
+{
+    coli_rowdot2s_x4_k_avx512(w, rb, q1, xs1, s1, q2, xs2, s2, n, block, qstep, sstep, out, 2, 1);
+}
+
+COLI_AVX512 static inline void coli_rowdot2s_i8_x4x2_avx512(const int8_t *w, long rb, const int8_t *q1,
+                                                            const float *xs1, const int32_t *s1,
+                                                            const int8_t *q2, const float *xs2,
+                                                            const int32_t *s2, int n, int block,
+                                                            long qstep, long sstep, float *out)
+{
+    coli_rowdot2s_x4_k_avx512((const uint8_t *)w, rb, q1, xs1, s1, q2, xs2, s2, n, block, qstep, sstep, out, 2, 0);
 }
 #endif /* COLI_X86 */
 

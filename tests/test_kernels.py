@@ -187,13 +187,15 @@ def kernel_flags():
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("block", [0, 64])
-def test_four_row_kernels_are_bit_identical(isa, bits, block, kernel_flags):
-    """Decode matmuls take four weight rows per kernel call (with the activations' block sums);
-    every output equals the one-row kernels' bit for bit, for partial last groups and tails too."""
+@pytest.mark.parametrize("S", [1, 2, 3, 5])
+def test_four_row_kernels_are_bit_identical(isa, bits, block, S, kernel_flags):
+    """Decode matmuls and verify batches take four weight rows per kernel call (with the
+    activations' block sums, two activation rows at a time); every output equals the one-row
+    kernels' bit for bit, for partial last groups and tails too."""
     rng = np.random.default_rng(6)
     for O, I in [(1, 64), (3, 100), (4, 64), (37, 130), (64, 512), (13, 1000), (8, 1025), (9, 4097)]:
         W = rng.standard_normal((O, I)).astype(np.float32)
-        x = rng.standard_normal((1, I)).astype(np.float32) * np.float32(rng.uniform(0.1, 10))
+        x = rng.standard_normal((S, I)).astype(np.float32) * np.float32(rng.uniform(0.1, 10))
         payload, scale, _ = quant.quantize(W, bits)
         qt = _core.QT.from_packed(payload, scale, O, I)
         kernel_flags(block_sums=True, group_kernels=True)
