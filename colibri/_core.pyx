@@ -307,7 +307,6 @@ def set_kernel_flags(block_sums=None, group_kernels=None, prefetch_groups=None):
 
 cdef enum:
     GROUP_ROWS = 4      # weight rows per work item of the integer matmuls (see int_group)
-    GROUP_MAX_S = 17    # activation rows (decode, verify batches) up to which the four-row kernels run
 
 
 cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const float *xs, int nb, int blk,
@@ -357,10 +356,10 @@ cdef inline int n_groups(int O) noexcept nogil:
 cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const float *xs, int nb, int blk,
                            int idot, float *y, const int32_t *xsum=NULL) noexcept nogil:
     """Output columns GROUP_ROWS·grp .. (the group's rows < W.O) of an integer-path matmul for all
-    S activation rows, prefetching the weights PREFETCH_GROUPS groups ahead. Decode rows and verify
-    batches (S <= GROUP_MAX_S) with their activation block sums known take the four-row kernels,
-    two activation rows at a time (one pass over the activations for four weight rows;
-    bit-identical to int_row per column); anything else is int_row per column."""
+    S activation rows, prefetching the weights PREFETCH_GROUPS groups ahead. With the activations'
+    block sums known (idot=2) the four-row kernels take two activation rows at a time (one pass
+    over the activations for four weight rows; bit-identical to int_row per column); anything else
+    is int_row per column."""
     cdef float r4[2 * GROUP_ROWS]
     cdef int o0 = grp * GROUP_ROWS, r, s, p, ahead = o0 + PREFETCH_GROUPS * GROUP_ROWS
     cdef Py_ssize_t q, m
@@ -370,8 +369,8 @@ cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const
     if PREFETCH_GROUPS > 0 and ahead < W.O:
         coli_prefetch_row(W.q + <Py_ssize_t>ahead * W.rb,
                           (GROUP_ROWS if W.O - ahead > GROUP_ROWS else W.O - ahead) * W.rb)
-    if n == GROUP_ROWS and S <= GROUP_MAX_S and idot == IDOT_Q8X2 and xsum != NULL and GROUP_KERNELS:
-        # activation rows two at a time (a verify batch), then the odd one (decode: the only one)
+    if n == GROUP_ROWS and idot == IDOT_Q8X2 and xsum != NULL and GROUP_KERNELS:
+        # activation rows two at a time (verify and prefill batches), then the odd one (decode)
         for s in range(0, S, 2):
             q = <Py_ssize_t>s * W.I
             m = <Py_ssize_t>s * nb
