@@ -939,6 +939,7 @@ cdef class Layer:
     cdef public object in_ln, post_ln, q_a_ln, kv_a_ln        # f32 [D], [D], [Lq], [Lkv]
     cdef public QT q_a, q_b, kv_a, kv_b, o_proj              # attention projections
     cdef public QT gate, up, down                            # dense MLP, or shared expert (None if none)
+    cdef public object input_group       # [q_a, kv_a(, wk)] projected in one call, [] if they cannot be; None: not known yet
     cdef public QT router                                    # f32 [E, D]
     cdef public object router_bias                           # f32 [E]
     cdef public QT iwq, iwk, iwp                             # DSA indexer wq_b, wk, weights_proj
@@ -1390,10 +1391,13 @@ cdef class Model:
         # Step 1: projections of the new rows; write their latent + rotated key into the cache.
         cdef bint sparse = self.has_dsa and L.index < c.n_layers
         # q_a, kv_a (and the indexer's wk) share the input: one quantization, one parallel region
-        ins = [L.q_a, L.kv_a] + ([L.iwk] if sparse and L.idx_full else [])
-        cdef bint together = all(int_qt(W, self.idot) and (<QT>W).c.I == (<QT>L.q_a).c.I for W in ins)
+        if L.input_group is None:
+            ins = [L.q_a, L.kv_a] + ([L.iwk] if sparse and L.idx_full else [])
+            fit = all(int_qt(W, self.idot) and (<QT>W).c.I == (<QT>L.q_a).c.I for W in ins)
+            L.input_group = ins if fit else []
+        cdef bint together = len(L.input_group) > 0
         if together:
-            self._mm_many(ins, &n[0, 0], S, [ws.qr, ws.ckv, ws.ik][:len(ins)], ws)
+            self._mm_many(L.input_group, &n[0, 0], S, [ws.qr, ws.ckv, ws.ik][:len(L.input_group)], ws)
         else:
             self._mm(L.q_a, &n[0, 0], S, &qr[0, 0], ws)
         self.kv_write(L, n, S, pos_base, ws, together)
@@ -1653,22 +1657,10 @@ cdef class Model:
         ffns = [((<Expert>X).gate, (<Expert>X).up, (<Expert>X).down) for X in experts]
         if L.gate is not None:
             ffns.append((L.gate, L.up, L.down))
-        cdef FfnScratch fs
-        cdef int npairs
         if self._fusable(S, ffns):
             # routed experts in ascending id, then the shared expert (weight 1) on every row
-            jobs = [ffns[u] + (ustart[u], ustart[u + 1] - ustart[u]) for u in range(nu)]
-            npairs = ustart[nu]
-            if L.gate is not None:
-                jobs.append(ffns[nu] + (npairs, S))
-            fs = self._ffn_scratch(npairs + S, len(jobs), max((<QT>f[0]).c.O for f in ffns))
-            with nogil:
-                for i in range(npairs):
-                    fs.p_urow[i] = urow[i]
-                    fs.p_uw[i] = uw[i]
-                for s in range(S):
-                    fs.p_urow[npairs + s] = s
-                    fs.p_uw[npairs + s] = 1.0
+            self._ffn_scratch(ustart[nu] + S, len(ffns), max((<QT>f[0]).c.O for f in ffns))
+            jobs, _ = self._pair_jobs(list(range(len(ffns))), ffns, 0, ws, S, nu)
             self._ffn_fused(jobs, n, S, out, True)
             self.t_moe += time.perf_counter() - t0
             return
@@ -1699,36 +1691,19 @@ cdef class Model:
         read, and the outputs are summed in the one-group order (ascending expert id, then the
         shared expert), so the result is bit-identical to the plain call. Returns False, having
         changed nothing in out, when the FFNs cannot be fused (the caller takes the plain path)."""
-        cdef int[::1] uniq = ws.uniq, ustart = ws.ustart, urow = ws.urow
-        cdef float[::1] uw = ws.uw
-        cdef int u, i, s, p = 0
+        cdef int[::1] uniq = ws.uniq
+        cdef int u, p
         ready = fetch.ready
         shared = [(L.gate, L.up, L.down)] if L.gate is not None else []
-        first = [u for u in range(nu) if uniq[u] in ready]
+        first = [u for u in range(nu) if uniq[u] in ready] + ([nu] if shared else [])
         later = [u for u in range(nu) if uniq[u] not in ready]
         ffns_first = [((<Expert>ready[uniq[u]]).gate, (<Expert>ready[uniq[u]]).up,
-                       (<Expert>ready[uniq[u]]).down) for u in first] + shared
+                       (<Expert>ready[uniq[u]]).down) for u in first if u < nu] + shared
         if not ffns_first or not self._fusable(S, ffns_first):
             return False
         # pairs (and job slots) in the order of computing: present experts, shared, later experts
-        cdef FfnScratch fs = self._ffn_scratch(ustart[nu] + S, nu + 1,
-                                               max((<QT>f[0]).c.O for f in ffns_first))
-        slot_of, jobs_first = {}, []
-        for u in first:
-            nr = ustart[u + 1] - ustart[u]
-            for i in range(nr):
-                fs.p_urow[p + i] = urow[ustart[u] + i]
-                fs.p_uw[p + i] = uw[ustart[u] + i]
-            slot_of[u] = len(jobs_first)
-            jobs_first.append(ffns_first[len(jobs_first)] + (p, nr))
-            p += nr
-        if shared:
-            for s in range(S):
-                fs.p_urow[p + s] = s
-                fs.p_uw[p + s] = 1.0
-            slot_of[nu] = len(jobs_first)
-            jobs_first.append(shared[0] + (p, S))
-            p += S
+        self._ffn_scratch(ws.ustart[nu] + S, nu + 1, max((<QT>f[0]).c.O for f in ffns_first))
+        jobs_first, p = self._pair_jobs(first, ffns_first, 0, ws, S, nu)
         t0 = time.perf_counter()
         self._ffn_fused(jobs_first, n, S, out, True, 0, False)
         self.t_moe += time.perf_counter() - t0
@@ -1740,20 +1715,33 @@ cdef class Model:
                       for u in later]
         if not self._fusable(S, ffns_later):
             return False
-        jobs_later = []
-        for k, u in enumerate(later):
-            nr = ustart[u + 1] - ustart[u]
-            for i in range(nr):
-                fs.p_urow[p + i] = urow[ustart[u] + i]
-                fs.p_uw[p + i] = uw[ustart[u] + i]
-            slot_of[u] = len(jobs_first) + k
-            jobs_later.append(ffns_later[k] + (p, nr))
-            p += nr
+        jobs_later, p = self._pair_jobs(later, ffns_later, p, ws, S, nu)
         self._ffn_fused(jobs_later, n, S, out, True, len(jobs_first), False)
-        self._ffn_accumulate([slot_of[u] for u in range(nu)] + ([slot_of[nu]] if shared else []), out)
+        slot_of = {u: k for k, u in enumerate(first + later)}
+        self._ffn_accumulate([slot_of[u] for u in sorted(slot_of)], out)   # ascending id, shared (nu) last
         self.t_moe += time.perf_counter() - t0
         self.overlapped_calls += 1
         return True
+
+    def _pair_jobs(self, units, ffns, int p, Work ws, int S, int nu):
+        """Fused-group jobs (gate, up, down, first pair, pairs) for MoE units in order (u < nu:
+        expert u of the batch union on its rows and weights; u == nu: the shared expert on rows
+        0..S-1 with weight 1), their pairs written into the fused scratch from pair p on.
+        Returns (jobs, the next free pair)."""
+        cdef FfnScratch fs = self._fs
+        cdef int[::1] ustart = ws.ustart, urow = ws.urow
+        cdef float[::1] uw = ws.uw
+        cdef int u, i, nr
+        jobs = []
+        for k in range(len(units)):
+            u = units[k]
+            nr = S if u == nu else ustart[u + 1] - ustart[u]
+            for i in range(nr):
+                fs.p_urow[p + i] = i if u == nu else urow[ustart[u] + i]
+                fs.p_uw[p + i] = 1.0 if u == nu else uw[ustart[u] + i]
+            jobs.append(tuple(ffns[k]) + (p, nr))
+            p += nr
+        return jobs, p
 
     def layer_forward(self, Layer L, float[:, ::1] x, int S, int pos_base):
         """x[S, D] += attention(norm(x)); x += mlp(norm(x)) (spec §4.2)."""

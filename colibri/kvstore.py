@@ -52,7 +52,7 @@ import sys
 
 import numpy as np
 
-from .usage import fsync_dir
+from .usage import fsync_dir, unlink_quietly
 
 try:                                    # advisory locking of PATH.tmp (POSIX)
     import fcntl
@@ -275,10 +275,7 @@ def save_session(path, model, history, meta=None) -> int:
         os.fsync(fd)
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        unlink_quietly(tmp)
         os.close(fd)
         raise
     fsync_dir(folder)

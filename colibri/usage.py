@@ -93,12 +93,17 @@ def save_counts(path, counts) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        unlink_quietly(tmp)
         raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))     # make the rename itself durable
+
+
+def unlink_quietly(path) -> None:
+    """Remove a file if it is there (an atomic writer's temporary, on the way out of an error)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def fsync_dir(folder) -> None:
