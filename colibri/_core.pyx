@@ -22,7 +22,7 @@ from cython.parallel cimport prange, threadid, parallel
 import threading
 
 from .cache import ExpertCache
-from .config import Config, load_config
+from .config import Config, indexer_missing, load_config
 from . import st as _st
 from . import quant as _quant
 
@@ -1015,6 +1015,10 @@ cdef class Work:
             self.iw, self.isc = f(S, c.index_nh), f(nt, 2 * T)
             self.sel, self.nsel = i32(S, max(c.index_topk, 1)), i32(S)
         else:
+            # Every buffer is bound, even one this model never uses: reading an unbound typed
+            # memoryview (even to pass it along as an object) dereferences NULL. The paths that
+            # would use these check has_dsa first; a [1, 1] buffer keeps a stray use in bounds.
+            self.ik, self.iq, self.iw, self.isc = f(1, 1), f(1, 1), f(1, 1), f(1, 1)
             self.sel = i32(1, 1)
             self.nsel = i32(1)
 
@@ -1028,6 +1032,8 @@ cdef class Model:
     cdef public QT embed, lm_head
     cdef public object final_norm, layers, inv_freq
     cdef public bint has_dsa, has_mtp
+    cdef public str indexer_absent                # first DSA indexer tensor the container lacks ("" = none)
+    cdef public bint dense_past_topk              # a forward attended densely past index_topk (no indexer)
     cdef public int idot, act_block, absorb, dsa_force, cache_experts, expert_bits, dense_bits
     # KV cache: per layer Lc [max_t, Lkv] (normalized latent), Rc [max_t, dr] (rotated shared key),
     # Ic [max_t, index_hd] (indexer keys, full DSA layers only)
@@ -1390,6 +1396,8 @@ cdef class Model:
         cdef float[::1] qa_ln = L.q_a_ln, inv = self.inv_freq
         # Step 1: projections of the new rows; write their latent + rotated key into the cache.
         cdef bint sparse = self.has_dsa and L.index < c.n_layers
+        if T > c.index_topk and self.indexer_absent:
+            self.dense_past_topk = True
         # q_a, kv_a (and the indexer's wk) share the input: one quantization, one parallel region
         if L.input_group is None:
             ins = [L.q_a, L.kv_a] + ([L.iwk] if sparse and L.idx_full else [])
@@ -1397,7 +1405,8 @@ cdef class Model:
             L.input_group = ins if fit else []
         cdef bint together = len(L.input_group) > 0
         if together:
-            self._mm_many(L.input_group, &n[0, 0], S, [ws.qr, ws.ckv, ws.ik][:len(L.input_group)], ws)
+            outs = [ws.qr, ws.ckv, ws.ik] if len(L.input_group) == 3 else [ws.qr, ws.ckv]
+            self._mm_many(L.input_group, &n[0, 0], S, outs, ws)
         else:
             self._mm(L.q_a, &n[0, 0], S, &qr[0, 0], ws)
         self.kv_write(L, n, S, pos_base, ws, together)
@@ -2072,6 +2081,15 @@ cdef class Model:
         self.emitted += len(out)
         return out, kv
 
+    def dsa_note(self):
+        """One line on how attention departs from the model's DSA selection, or None."""
+        if not self.indexer_absent:
+            return None
+        c = self.cfg
+        return (f"{self.path} has no DSA indexer (missing {self.indexer_absent}): attention is dense; exact "
+                f"while the context fits in index_topk = {c.index_topk} tokens, dense instead of the "
+                f"model's top-{c.index_topk} selection beyond")
+
     def reset_stats(self):
         self.bytes_read = self.forwards = 0
         self.decode_forwards = self.emitted = 0
@@ -2300,6 +2318,29 @@ def _load_mtp(Model m):
     m.mtp_norm = m._load_vec(p + "shared_head.norm.weight", c.hidden)
 
 
+def _init_dsa(Model m, cfg, bint dsa, bint dsa_force):
+    """Decide sparse (DSA) or dense attention from the config and the tensors present.
+
+    A container without the indexer tensors (colibrì's converter omits them unless its --indexer
+    pass ran) attends densely: the same output while every context fits in index_topk, since the
+    indexer then keeps every key; past index_topk it is dense instead of the model's top-k, which
+    the engine records (dense_past_topk) and dsa_note() describes. --dsa-force needs the indexer."""
+    m.indexer_absent = ""
+    m.dense_past_topk = False
+    m.has_dsa = False
+    if not dsa:
+        return
+    missing = indexer_missing(cfg, m.st, m.path)
+    if missing is not None:
+        m.indexer_absent = missing
+        if dsa_force:
+            raise _st.ContainerError(f"{m.path}: --dsa-force needs the DSA indexer, but the container has no "
+                                     f"tensor {missing} (colibrì's converter writes the indexer only in "
+                                     "its --indexer pass; 'python -m colibri convert' keeps it)")
+        return
+    m.has_dsa = cfg.index_topk > 0 and cfg.index_nh > 0 and cfg.index_hd > 0
+
+
 def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=32, int idot=IDOT_Q8X2,
                int act_block=0, int absorb=-1, bint dsa_force=False, bint dsa=True, bint mtp=True,
                isa=None, threads=0, int io_threads=4, bint prefetch=True, bint direct=False):
@@ -2363,9 +2404,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     else:
         raise _st.ContainerError(f"{path}: missing tensor lm_head.weight")
     m.final_norm = m._load_vec("model.norm.weight", cfg.hidden)
-    m.has_dsa = bool(dsa and cfg.index_topk > 0 and cfg.index_nh > 0 and cfg.index_hd > 0 and all(
-        f"model.layers.{i}.self_attn.indexer.wq_b.weight" in m.st
-        for i in range(cfg.n_layers) if cfg.idx_full[i]))
+    _init_dsa(m, cfg, dsa, dsa_force)
     m.layers = [m._load_layer(i) for i in range(cfg.n_layers)]
     m.has_mtp = bool(mtp) and _has_mtp_tensors(m.st, cfg.n_layers)
     if m.has_mtp:

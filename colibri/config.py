@@ -230,6 +230,32 @@ def _check_sizes(cfg: Config, path: str):
             raise ConfigError(f"{path}: dims give a matrix of {n} elements ({what}); refusing (limit 2^34)")
 
 
+#: The DSA indexer tensors of a 'full' layer i (prefix model.layers.{i}.self_attn.indexer.).
+INDEXER_TENSORS = ("wq_b.weight", "wk.weight", "weights_proj.weight", "k_norm.weight", "k_norm.bias")
+
+
+def indexer_missing(cfg: Config, tensors, where: str):
+    """Which DSA indexer the container holds: None when every 'full' layer has its indexer tensors,
+    else the name of the first one missing (the model then attends densely: exact while the
+    context fits in index_topk, when the indexer would select every key anyway).
+
+    colibrì's converter leaves the indexer out unless its --indexer pass ran, so a container
+    without any indexer tensor is common and valid; one that holds some of them but not all is
+    damaged and raises ContainerError naming the first missing tensor. ``tensors`` is anything
+    with ``in`` (a SafeTensorsDir); a config without DSA dims gives None.
+    """
+    from .st import ContainerError
+    if not (cfg.index_topk > 0 and cfg.index_nh > 0 and cfg.index_hd > 0):
+        return None
+    names = [f"model.layers.{i}.self_attn.indexer.{t}" for i in range(cfg.n_layers) if cfg.idx_full[i]
+             for t in INDEXER_TENSORS]
+    missing = [n for n in names if n not in tensors]
+    if missing and len(missing) < len(names):
+        raise ContainerError(f"{where}: the DSA indexer is incomplete: missing tensor {missing[0]} "
+                             f"({len(missing)} of its {len(names)} tensors are missing)")
+    return missing[0] if missing else None
+
+
 def load_config(model_dir: str) -> Config:
     path = os.path.join(model_dir, "config.json")
     try:

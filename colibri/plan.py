@@ -39,7 +39,7 @@ import sys
 from types import SimpleNamespace
 
 from . import budget as _budget
-from .config import ConfigError, load_config
+from .config import ConfigError, indexer_missing, load_config
 from .quant import infer_format, payload_nbytes, storage_format
 from .st import FLOAT_DTYPES, ContainerError, SafeTensorsDir
 
@@ -304,8 +304,8 @@ def build_report(model_dir, *, dense_bits: int = 32, expert_bits: int = 32, ctx=
 def _report(st, cfg, model_dir, dense_bits, expert_bits, ctx) -> dict:
     acc = _Acc(st, dense_bits, expert_bits)
     notes = acc.notes
-    has_dsa = bool(cfg.index_topk > 0 and cfg.index_nh > 0 and cfg.index_hd > 0 and all(
-        f"model.layers.{i}.self_attn.indexer.wq_b.weight" in st for i in range(cfg.n_layers) if cfg.idx_full[i]))
+    has_dsa = cfg.index_topk > 0 and cfg.index_nh > 0 and cfg.index_hd > 0 and \
+        indexer_missing(cfg, st, model_dir) is None
     has_mtp = _has_mtp(st, cfg.n_layers)
 
     # embeddings and head: f32 unless --dense-bits 4 (model_init's io_bits)

@@ -105,6 +105,9 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
         print(f"[colibri] {args.model}: {cfg.n_layers} layers, {cfg.n_experts} experts (top-{cfg.topk}), "
               f"{'MTP head' if model.has_mtp else 'no MTP head'}, loaded in {t_load:.2f}s; "
               f"prompt {len(ids)} tokens", file=sys.stderr)
+    note = model.dsa_note()
+    if note and need > cfg.index_topk:
+        print(f"[colibri] note: {note}", file=sys.stderr)
     model.kv_alloc(need)
     model.reset_stats()
     if args.trace:
@@ -142,6 +145,8 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
         "tokens_per_forward": (n_dec / model.decode_forwards) if model.decode_forwards else float(n_dec),
     }
     stats.update(policy.stats())
+    stats.update(dsa_indexer=not model.indexer_absent, dsa_dense_past_topk=bool(model.dense_past_topk),
+                 notes=[note] if note and model.dense_past_topk else [])
     stats.update(tier_stats(model, tiers, t_prefill + t_decode))
     from . import WAIT_POLICY
     stats["omp_wait_policy"] = WAIT_POLICY
