@@ -141,6 +141,7 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
         "peak_rss_bytes": peak_rss_bytes(),
         "load_s": t_load,
         "resident_bytes": int(model.resident_bytes()),
+        "kv_bytes": int(model.kv_bytes(need)),
         "decode_forwards": int(model.decode_forwards),
         "tokens_per_forward": (n_dec / model.decode_forwards) if model.decode_forwards else float(n_dec),
     }
