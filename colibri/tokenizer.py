@@ -185,13 +185,10 @@ def _special_tokens(cfg: dict, path: str) -> dict:
     out = {}
     for name in SPECIAL_TOKENS:
         value = cfg.get(name)
-        if isinstance(value, dict):
-            value = value.get("content")
-            if not isinstance(value, str):
-                raise ModelFileError(f"{path}: field '{name}' must be a string or an object with a string 'content'")
         if value is None:
             continue
-        if not isinstance(value, str):
+        text = value.get("content") if isinstance(value, dict) else value
+        if not isinstance(text, str):
             raise ModelFileError(f"{path}: field '{name}' must be a string or an object with a string 'content'")
-        out[name] = value
+        out[name] = text
     return out
