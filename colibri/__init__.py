@@ -88,6 +88,7 @@ _find_installed_extension()
 
 from .config import Config, ConfigError, load_config  # noqa: E402,F401
 from .api import LLM, Completion, Options, load  # noqa: E402,F401
+from .tokenizer import ModelFileError  # noqa: E402,F401
 
 
 def model_init(path, **options):

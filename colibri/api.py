@@ -13,7 +13,6 @@ conversation, a fixed system prompt) prefills only what is new.
 """
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
@@ -168,17 +167,19 @@ class LLM:
     def __init__(self, path: Optional[str] = None, options: Optional[Options] = None):
         from . import tiers as _tiers
         from ._core import model_init
-        from .runner import load_tokenizer
+        from .tokenizer import load_chat_template, load_tokenizer
         if path is None:
             from .models import default_model_dir
             path = default_model_dir()
         self.path = os.fspath(path)
         self.options = options or Options()
         o = self.options
+        # the text files first: a damaged tokenizer or template fails before the weights are mapped
+        self.tokenizer = load_tokenizer(self.path)
+        self.chat_template = load_chat_template(self.path)
         self.model = model_init(self.path, cache_experts=o.cache_experts, idot=o.idot, threads=o.threads,
                                 io_threads=o.io_threads, prefetch=o.prefetch, direct=o.direct)
         self.cfg = self.model.cfg
-        self.tokenizer = load_tokenizer(self.path)
         limit = self.cfg.max_positions or 4096
         self.context = min(o.context or min(limit, 4096), limit)
         self.tiers = _tiers.configure(self.model, self.context, requested=o.cache_experts, ram_gb=o.ram_gb,
@@ -187,14 +188,15 @@ class LLM:
         self.eos = set(self.cfg.eos_ids)
         self.history: List[int] = []       # tokens whose KV rows are valid, from position 0
         self.lock = threading.Lock()
-        self.chat_template = _load_chat_template(self.path)
 
     # -- text -------------------------------------------------------------------------------------
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> List[int]:
+        """Token ids of ``text``. ``add_special_tokens=False`` for text in a chat format, which
+        holds every special token itself (as transformers' apply_chat_template tokenizes)."""
         if self.tokenizer is None:
             raise ValueError(f"{self.path} has no tokenizer.json: pass token ids instead of text")
-        return self.tokenizer.encode(text).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -317,11 +319,32 @@ class LLM:
             cancel.set()
             th.join()
 
-    # Chat format. GLM tokenizers (special tokens [gMASK], <sop>, <|user|>, <|assistant|>) get GLM-5's
-    # format, as colibrì's gateway renders it: [gMASK]<sop>, then <|system|>text, <|user|>text,
-    # <|assistant|><think></think>text, and <|assistant|><think></think> to start the answer (no
-    # thinking). Other tokenizers get a plain "<|role|>\ntext\n" format. A Jinja chat_template in
-    # tokenizer_config.json is used by render_chat when jinja2 is installed (it is not a dependency).
+    # Chat format. The model's own template (colibri.tokenizer: chat_template.jinja, or chat_template
+    # in tokenizer_config.json) when it has one. Without one: GLM tokenizers (special tokens [gMASK],
+    # <sop>, <|user|>, <|assistant|>) get GLM-5's format, as colibrì's gateway renders it:
+    # [gMASK]<sop>, then <|system|>text, <|user|>text, <|assistant|><think></think>text, and
+    # <|assistant|><think></think> to start the answer (no thinking); other tokenizers get a plain
+    # "<|role|>\ntext\n" format. chat_format_note() says which, for front ends to show.
+
+    @property
+    def chat_template_source(self) -> Optional[str]:
+        """The file of the model's chat template (chat_template.jinja or tokenizer_config.json), or
+        None when the model has none and render_chat uses a fallback format."""
+        return None if self.chat_template is None else self.chat_template.source
+
+    def chat_format_note(self) -> Optional[str]:
+        """None when the model has its own chat template; else one line saying which fallback
+        format render_chat uses (chat and serve print it at start-up)."""
+        if self.chat_template is not None:
+            return None
+        from .tokenizer import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
+        return (f"{self.path} has no chat template ({CHAT_TEMPLATE_FILE}, or chat_template in "
+                f"{TOKENIZER_CONFIG_FILE}); using {self.fallback_chat_format()}")
+
+    def fallback_chat_format(self) -> str:
+        """The format used without a template, in words."""
+        return ("GLM-5's chat format ([gMASK]<sop><|role|>text...)" if self.is_glm_chat()
+                else "a plain chat format (<|role|>\\ntext\\n)")
 
     def is_glm_chat(self) -> bool:
         tok = self.tokenizer
@@ -340,17 +363,23 @@ class LLM:
         return "<|assistant|><think></think>" if self.is_glm_chat() else "<|assistant|>\n"
 
     def render_chat(self, messages) -> str:
-        """The prompt text of a conversation ([{role, content}, ...]) in the model's chat format."""
+        """The prompt text of a conversation ([{role, content}, ...]) in the model's chat format,
+        the assistant's turn opened."""
         msgs = _check_messages(messages)
         if self.chat_template is not None:
-            return self.chat_template.render(messages=msgs, add_generation_prompt=True)
+            return self.chat_template.render(msgs, add_generation_prompt=True)
         return (self.chat_prefix() + "".join(self.chat_message(m["role"], m["content"]) for m in msgs)
                 + self.chat_reply_start())
+
+    def chat_ids(self, messages) -> List[int]:
+        """The prompt token ids of a conversation: render_chat, tokenized without the tokenizer's
+        own special tokens (the chat format holds them)."""
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
 
     def chat(self, messages, **kw) -> str:
         """The assistant's answer to a conversation; the turn ends at the next role tag."""
         kw.setdefault("stop", ["<|user|>", "<|system|>"])
-        return self.complete(self.render_chat(messages), **kw).text
+        return self.complete(self.chat_ids(messages), **kw).text
 
     def close(self):
         self.model.close()
@@ -375,24 +404,6 @@ def _check_messages(messages) -> list:
             raise ValueError(f"messages[{i}].role must be system, user or assistant, got {m['role']!r}")
         out.append({"role": m["role"], "content": m["content"]})
     return out
-
-
-def _load_chat_template(path):
-    """The model's Jinja chat template (tokenizer_config.json), when it has one and jinja2 is
-    installed; else None (a plain <|role|> format is used)."""
-    p = os.path.join(path, "tokenizer_config.json")
-    try:
-        with open(p) as f:
-            tpl = json.load(f).get("chat_template")
-    except (OSError, ValueError):
-        return None
-    if not isinstance(tpl, str):
-        return None
-    try:
-        import jinja2
-    except ImportError:
-        return None
-    return jinja2.Environment(keep_trailing_newline=True).from_string(tpl)
 
 
 def load(path: Optional[str] = None, options: Optional[Options] = None, **kw) -> LLM:

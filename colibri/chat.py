@@ -48,12 +48,12 @@ class ChatSession:
         if self.system:
             self.messages.append({"role": "system", "content": self.system})
             head += self.llm.chat_message("system", self.system)
-        self.ids = self.llm.encode(head) if head else []
+        self.ids = self.llm.encode(head, add_special_tokens=False) if head else []
 
     def ask(self, text: str, on_text=None, **kw):
         """One user turn: the answer streams to on_text; returns the Completion."""
         turn = self.llm.chat_message("user", text) + self.llm.chat_reply_start()
-        ids = self.ids + self.llm.encode(turn)
+        ids = self.ids + self.llm.encode(turn, add_special_tokens=False)     # the format holds them
         kw.setdefault("stop", STOPS)
         c = self.llm.complete(ids, on_text=on_text, **kw)
         self.ids = ids + list(c.token_ids)
@@ -127,6 +127,7 @@ def run(args) -> int:
     session = ChatSession(llm, system=args.system, persist=not args.no_save)
     out = sys.stdout
     print(f"[colibri] {llm.path}: chat ({HELP})", file=sys.stderr)
+    print(f"[colibri] {_format_note(llm)}", file=sys.stderr)
     if session.notice:
         print(f"[colibri] {session.notice}", file=sys.stderr)
     last = None
@@ -163,6 +164,15 @@ def run(args) -> int:
             print(f"[colibri] {e}", file=sys.stderr)
     llm.close()
     return 0
+
+
+def _format_note(llm) -> str:
+    """Which chat format the turns use (ChatSession builds them from LLM.chat_message)."""
+    note = llm.chat_format_note()
+    if note is not None:
+        return note
+    return (f"{llm.chat_template_source}: the model's chat template is not applied by `chat` yet (serve and "
+            f"colibri.LLM.chat use it); turns use {llm.fallback_chat_format()}")
 
 
 def _stats_line(llm, c, rss) -> str:

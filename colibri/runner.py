@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 
+from .tokenizer import load_tokenizer
+
 
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process. Linux: VmHWM of /proc/self/status (ru_maxrss would
@@ -38,14 +40,6 @@ def parse_ids(text: str, vocab: int) -> list:
     return ids
 
 
-def load_tokenizer(model_dir: str):
-    path = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.exists(path):
-        return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_file(path)
-
-
 def run(args) -> int:
     from .cli import engine_kwargs
     from ._core import Sampler, model_init
@@ -62,11 +56,11 @@ def run(args) -> int:
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     draft_mode = parse_draft(args.draft)
+    tok = load_tokenizer(args.model)        # a damaged tokenizer.json fails before the weights are mapped
     t_load = time.perf_counter()
     model = model_init(args.model, **engine_kwargs(args))
     t_load = time.perf_counter() - t_load
     cfg = model.cfg
-    tok = load_tokenizer(args.model)
     if args.prompt_ids is not None:
         ids = parse_ids(args.prompt_ids, cfg.vocab)
     elif args.prompt is not None:

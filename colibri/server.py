@@ -6,7 +6,8 @@ Endpoints (JSON in, JSON or Server-Sent Events out; errors in OpenAI's shape
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model served. Its id is the model folder's
   name, or ``colibri-default`` for the embedded default model.
 - ``POST /v1/chat/completions``: ``messages`` (roles system/developer/user/assistant; content a
-  string or a list of text parts), rendered with the model's chat format (:meth:`LLM.render_chat`).
+  string or a list of text parts), rendered with the model's chat template, or a fallback format
+  named at start-up when it has none (:meth:`LLM.render_chat`).
 - ``POST /v1/completions`` (legacy): ``prompt`` a string or a list of token ids (or a list holding
   one of those).
 - ``GET /health`` (never needs the API key): see :meth:`Scheduler.snapshot` for the counters.
@@ -728,7 +729,7 @@ class _Handler(BaseHTTPRequestHandler):
                 prompt = llm.render_chat(msgs)
             except ValueError as e:
                 raise _bad(str(e), "messages") from None
-            ids = self._encode(prompt, "messages")
+            ids = self._encode(prompt, "messages", add_special_tokens=False)     # the format holds them
             req["stop"] = list(_ROLE_STOPS) + req["stop"]
         else:
             if "prompt" not in body:
@@ -752,9 +753,9 @@ class _Handler(BaseHTTPRequestHandler):
         req["max_tokens"], req["ids"] = max_tokens, ids
         self._generate(req, chat)
 
-    def _encode(self, text: str, param: str):
+    def _encode(self, text: str, param: str, add_special_tokens: bool = True):
         try:
-            ids = self.server.llm.encode(text)
+            ids = self.server.llm.encode(text, add_special_tokens=add_special_tokens)
         except ValueError as e:
             raise _bad(str(e), param) from None
         if not ids:
@@ -1039,6 +1040,9 @@ def run(args) -> int:
     options = {opt: getattr(args, name) for name, opt in _OPTION_ARGS.items() if getattr(args, name, None) is not None}
     t0 = time.perf_counter()
     llm = load(args.model, **options)
+    note = llm.chat_format_note()
+    if note:
+        print(f"[colibri serve] {note}", file=sys.stderr, flush=True)
     try:
         server = make_server(llm, args.host, args.port, args.max_queue, args.queue_timeout, api_key,
                              access_log=args.access_log)

@@ -37,3 +37,56 @@ def decode(m, prompt, n_new, mode, temperature=0.0, seed=None, top_p=1.0):
     out, _ = m.spec_decode(ids, len(prompt), n_new, logits,
                            _core.Sampler(m.cfg.vocab, temperature, top_p, seed), pol)
     return out, pol
+
+
+# A chat template in the style of GLM-5's own (its text is ours): [gMASK]<sop>, <|system|>, <|user|>,
+# <|assistant|> with an empty <think></think> on past answers and <think> opened for the new one.
+# The block tags sit on their own, indented lines: only trim_blocks + lstrip_blocks (as transformers
+# renders templates) leave no stray newlines or spaces.
+GLM_STYLE_TEMPLATE = """[gMASK]<sop>
+{%- for m in messages %}
+    {% if m.role == 'system' %}
+<|system|>{{ m.content }}
+    {%- elif m.role == 'user' %}
+<|user|>{{ m.content }}
+    {%- elif m.role == 'assistant' %}
+<|assistant|><think></think>{{ m.content | trim }}
+    {%- else %}
+{{ raise_exception('role ' ~ m.role ~ ' is not supported') }}
+    {%- endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|assistant|>{{ '<think></think>' if enable_thinking is defined and not enable_thinking else '<think>' }}
+{%- endif %}
+"""
+
+
+def model_folder(root, files=None):
+    """A model folder under root: the embedded default model's files (symlinked), with the files of
+    `files` ({name: text}) written instead (text None: the file is left out)."""
+    from colibri.models import default_model_dir
+    files = files or {}
+    src = default_model_dir()
+    d = pathlib.Path(root) / "model"
+    d.mkdir(parents=True)
+    for name in os.listdir(src):
+        if name not in files:
+            (d / name).symlink_to(os.path.join(src, name))
+    for name, text in files.items():
+        if text is not None:
+            (d / name).write_text(text, encoding="utf-8")
+    return d
+
+
+def tokenizer_json_adding_endoftext() -> str:
+    """The default model's tokenizer.json with a post-processor that puts <|endoftext|> before every
+    encoding (as a BOS-adding tokenizer does): chat prompts must not get it (their format holds every
+    special token, as transformers' apply_chat_template tokenizes)."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    from colibri.models import default_model_dir
+    tok = Tokenizer.from_file(os.path.join(default_model_dir(), "tokenizer.json"))
+    tok.post_processor = TemplateProcessing(single="<|endoftext|> $A",
+                                            special_tokens=[("<|endoftext|>", tok.token_to_id("<|endoftext|>"))])
+    return tok.to_str()

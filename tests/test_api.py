@@ -79,6 +79,14 @@ def test_chat_renders_roles_and_answers(llm):
     assert isinstance(llm.chat(msgs, max_tokens=8), str)
 
 
+def test_the_default_model_has_no_chat_template_and_says_so(llm):
+    from colibri.models import default_model_dir
+    assert llm.chat_template is None and llm.chat_template_source is None
+    assert llm.chat_format_note() == (f"{default_model_dir()} has no chat template (chat_template.jinja, or "
+                                      "chat_template in tokenizer_config.json); using a plain chat format "
+                                      "(<|role|>\\ntext\\n)")
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=10 ** 6), "context"), (dict(temperature=-1), "temperature"),
     (dict(top_p=0), "top_p"), (dict(stop=[3]), "stop"), (dict(draft=99), "--draft"),
@@ -133,3 +141,6 @@ def test_glm_tokenizers_get_the_glm5_chat_format(llm, monkeypatch):
                             {"role": "assistant", "content": " yo "}, {"role": "user", "content": "again"}])
     assert text == ("[gMASK]<sop><|system|>S<|user|>hi<|assistant|><think></think>yo<|user|>again"
                     "<|assistant|><think></think>")
+    assert llm.chat_format_note().endswith("has no chat template (chat_template.jinja, or chat_template in "
+                                           "tokenizer_config.json); using GLM-5's chat format "
+                                           "([gMASK]<sop><|role|>text...)")

@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-from conftest import DATA
+from conftest import DATA, GLM_STYLE_TEMPLATE, model_folder
 
 ROOT = DATA.parent.parent
 TURNS = ["def add(a, b):", "class Stack:", "import os"]
@@ -61,3 +61,16 @@ def test_reset_more_and_stats(tmp_path):
     assert len(a) == 3 and a[0] == a[2]                # after :reset the same question gets the same answer
     assert "new conversation" in p.stderr and p.stderr.count("[stats]") >= 4
     assert chat([TURNS[0]], tmp_path, "--no-save").stdout        # --no-save reads nothing either
+
+
+def test_start_up_says_which_chat_format_is_used(tmp_path):
+    """The embedded default model has no chat template: chat says so, and names the fallback."""
+    from colibri.models import default_model_dir
+    p = chat([], tmp_path, "--no-save")
+    assert (f"[colibri] {default_model_dir()} has no chat template (chat_template.jinja, or chat_template in "
+            "tokenizer_config.json); using a plain chat format") in p.stderr
+    # a model with a template: chat says that its turns do not use it (yet), instead of keeping quiet
+    d = model_folder(tmp_path / "m", {"chat_template.jinja": GLM_STYLE_TEMPLATE})
+    p = chat([], tmp_path, "--no-save", "--model", str(d))
+    assert f"[colibri] {d / 'chat_template.jinja'}: the model's chat template is not applied by `chat` yet" in p.stderr
+    assert "has no chat template" not in p.stderr

@@ -133,6 +133,37 @@ def test_chat_greedy_matches_the_api(server, llm):
     assert r2.choices[0].message.content == msg.content
 
 
+def test_chat_completions_render_the_model_template(tmp_path):
+    """/v1/chat/completions prompts are the model's own template (chat_template.jinja), tokenized
+    without the tokenizer's own special tokens (this tokenizer.json adds <|endoftext|> to every
+    encoding); a template that rejects the conversation is a 400 naming the file."""
+    from conftest import GLM_STYLE_TEMPLATE, model_folder, tokenizer_json_adding_endoftext
+    template = ("{% if messages[0].role == 'assistant' %}{{ raise_exception('start with a user turn') }}{% endif %}"
+                + GLM_STYLE_TEMPLATE)
+    d = model_folder(tmp_path, {"chat_template.jinja": template, "tokenizer.json": tokenizer_json_adding_endoftext()})
+    m = colibri.load(str(d), temperature=0)
+    try:
+        prompt = ("[gMASK]<sop><|system|>You write Python.<|user|>Write a function that adds two numbers."
+                  "<|assistant|><think>")
+        assert m.render_chat(CHAT) == prompt
+        ids = m.encode(prompt, add_special_tokens=False)
+        assert len(m.encode(prompt)) == len(ids) + 1
+        with serving(m) as s:
+            r = client(s).chat.completions.create(model="model", messages=CHAT, max_tokens=6, temperature=0)
+            assert r.usage.prompt_tokens == len(ids)
+            assert m.history[:len(ids)] == ids                  # the prompt the engine ran
+            want = m.complete(ids, max_tokens=6, stop=list(srv._ROLE_STOPS)).text
+            assert r.choices[0].message.content == want
+            status, _, body = call(s, "POST", "/v1/chat/completions",
+                                   {"messages": [{"role": "assistant", "content": "hi"}], "max_tokens": 2})
+            assert status == 400
+            err = assert_error(body, param="messages")
+            assert err["message"] == (f"{d / 'chat_template.jinja'}: the chat template rejects this conversation: "
+                                      "start with a user turn")
+    finally:
+        m.close()
+
+
 def test_chat_stream_equals_the_plain_answer(server):
     c = client(server)
     kw = dict(model=MODEL, messages=CHAT, max_tokens=40, temperature=0)
@@ -549,6 +580,8 @@ def test_serve_process_stops_cleanly_on_a_signal(tmp_path, sig):
             if "serving on http://127.0.0.1:" in line:
                 port = int(line.split("serving on http://127.0.0.1:")[1].split("/")[0])
         assert port is not None, "".join(log)
+        from colibri.models import default_model_dir            # no template: said once, at start-up
+        assert "".join(log).count(f"[colibri serve] {default_model_dir()} has no chat template") == 1, log
         s = types.SimpleNamespace(port=port)
         assert call(s, "GET", "/health")[2]["model"] == MODEL
         assert call(s, "GET", "/v1/models")[0] == 401                   # the key came from COLI_API_KEY
