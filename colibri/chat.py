@@ -1,9 +1,10 @@
 """``python -m colibri chat``: an interactive conversation that streams its answers and survives
 restarts.
 
-The conversation is kept as token ids: each turn appends the tokens of the new user message (in the
-model's plain ``<|role|>`` chat format) to everything said so far, so the next prompt always starts
-with the previous one and the engine prefills only the new turn. After every turn the KV cache and
+The conversation is kept as token ids. With the model's own chat template each turn renders the
+whole conversation through it; without one, the new user message's tokens (in a fallback format)
+are appended to everything said so far. Either way the engine reuses the KV rows of the prefix the
+prompt shares with the last turn, so it prefills about only the new turn. After every turn the KV cache and
 the token history are saved next to the model (``colibri.kvstore``: crash-safe, checksummed); the
 next ``chat`` reopens them without prefilling old turns. A damaged file is reported and discarded.
 """
@@ -44,16 +45,25 @@ class ChatSession:
 
     def _start(self):
         self.ids, self.messages = [], []
-        head = self.llm.chat_prefix()
         if self.system:
             self.messages.append({"role": "system", "content": self.system})
-            head += self.llm.chat_message("system", self.system)
+        if self.llm.chat_template_source is not None:
+            return                          # the template renders the whole conversation each turn
+        head = self.llm.chat_prefix() + (self.llm.chat_message("system", self.system) if self.system else "")
         self.ids = self.llm.encode(head, add_special_tokens=False) if head else []
+
+    def _prompt_ids(self, text: str) -> List[int]:
+        """The prompt of the next turn. With the model's own template: the whole conversation
+        rendered by it (the engine reuses the KV rows of the prefix it shares with the last turn);
+        without one, the new turn's fallback tokens appended to everything said so far."""
+        if self.llm.chat_template_source is not None:
+            return self.llm.chat_ids(self.messages + [{"role": "user", "content": text}])
+        turn = self.llm.chat_message("user", text) + self.llm.chat_reply_start()
+        return self.ids + self.llm.encode(turn, add_special_tokens=False)     # the format holds them
 
     def ask(self, text: str, on_text=None, **kw):
         """One user turn: the answer streams to on_text; returns the Completion."""
-        turn = self.llm.chat_message("user", text) + self.llm.chat_reply_start()
-        ids = self.ids + self.llm.encode(turn, add_special_tokens=False)     # the format holds them
+        ids = self._prompt_ids(text)
         kw.setdefault("stop", STOPS)
         c = self.llm.complete(ids, on_text=on_text, **kw)
         self.ids = ids + list(c.token_ids)
@@ -167,12 +177,8 @@ def run(args) -> int:
 
 
 def _format_note(llm) -> str:
-    """Which chat format the turns use (ChatSession builds them from LLM.chat_message)."""
-    note = llm.chat_format_note()
-    if note is not None:
-        return note
-    return (f"{llm.chat_template_source}: the model's chat template is not applied by `chat` yet (serve and "
-            f"colibri.LLM.chat use it); turns use {llm.fallback_chat_format()}")
+    """Which chat format the turns use."""
+    return llm.chat_format_note() or f"chat template: {llm.chat_template_source}"
 
 
 def _stats_line(llm, c, rss) -> str:

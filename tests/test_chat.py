@@ -69,8 +69,28 @@ def test_start_up_says_which_chat_format_is_used(tmp_path):
     p = chat([], tmp_path, "--no-save")
     assert (f"[colibri] {default_model_dir()} has no chat template (chat_template.jinja, or chat_template in "
             "tokenizer_config.json); using a plain chat format") in p.stderr
-    # a model with a template: chat says that its turns do not use it (yet), instead of keeping quiet
+    # a model with a template: chat names it
     d = model_folder(tmp_path / "m", {"chat_template.jinja": GLM_STYLE_TEMPLATE})
     p = chat([], tmp_path, "--no-save", "--model", str(d))
-    assert f"[colibri] {d / 'chat_template.jinja'}: the model's chat template is not applied by `chat` yet" in p.stderr
+    assert f"[colibri] chat template: {d / 'chat_template.jinja'}" in p.stderr
     assert "has no chat template" not in p.stderr
+
+
+def test_turns_are_rendered_by_the_models_template(tmp_path):
+    """With a chat template, every turn's prompt is the template's rendering of the whole
+    conversation (as the API's chat() renders it), and the KV rows of the prefix it shares with
+    the previous turn are reused."""
+    from colibri import load
+    from colibri.chat import ChatSession
+    d = model_folder(tmp_path / "m", {"chat_template.jinja": GLM_STYLE_TEMPLATE})
+    llm = load(str(d))
+    s = ChatSession(llm, system="be brief", persist=False)
+    first = s.ask(TURNS[0], max_tokens=6, temperature=0)
+    assert llm.history[:first.prompt_tokens] == llm.chat_ids(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": TURNS[0]}])
+    second = s.ask(TURNS[1], max_tokens=6, temperature=0)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": TURNS[0]},
+            {"role": "assistant", "content": first.text}, {"role": "user", "content": TURNS[1]}]
+    assert llm.history[:second.prompt_tokens] == llm.chat_ids(msgs)
+    assert second.prefill_tokens < second.prompt_tokens - first.prompt_tokens // 2   # the prefix was reused
+    llm.close()
