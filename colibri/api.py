@@ -341,6 +341,11 @@ class LLM:
         return (f"{self.path} has no chat template ({CHAT_TEMPLATE_FILE}, or chat_template in "
                 f"{TOKENIZER_CONFIG_FILE}); using {self.fallback_chat_format()}")
 
+    def model_notes(self) -> List[str]:
+        """What front ends tell the user at start-up: the fallback chat format of a model without
+        a template, and dense attention past index_topk for a container without the DSA indexer."""
+        return [n for n in (self.chat_format_note(), self.model.dsa_note()) if n]
+
     def fallback_chat_format(self) -> str:
         """The format used without a template, in words."""
         return ("GLM-5's chat format ([gMASK]<sop><|role|>text...)" if self.is_glm_chat()

@@ -137,7 +137,10 @@ def run(args) -> int:
     session = ChatSession(llm, system=args.system, persist=not args.no_save)
     out = sys.stdout
     print(f"[colibri] {llm.path}: chat ({HELP})", file=sys.stderr)
-    print(f"[colibri] {_format_note(llm)}", file=sys.stderr)
+    if llm.chat_template_source is not None:
+        print(f"[colibri] chat template: {llm.chat_template_source}", file=sys.stderr)
+    for note in llm.model_notes():
+        print(f"[colibri] {note}", file=sys.stderr)
     if session.notice:
         print(f"[colibri] {session.notice}", file=sys.stderr)
     last = None
@@ -174,11 +177,6 @@ def run(args) -> int:
             print(f"[colibri] {e}", file=sys.stderr)
     llm.close()
     return 0
-
-
-def _format_note(llm) -> str:
-    """Which chat format the turns use."""
-    return llm.chat_format_note() or f"chat template: {llm.chat_template_source}"
 
 
 def _stats_line(llm, c, rss) -> str:

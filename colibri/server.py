@@ -1040,8 +1040,7 @@ def run(args) -> int:
     options = {opt: getattr(args, name) for name, opt in _OPTION_ARGS.items() if getattr(args, name, None) is not None}
     t0 = time.perf_counter()
     llm = load(args.model, **options)
-    note = llm.chat_format_note()
-    if note:
+    for note in llm.model_notes():
         print(f"[colibri serve] {note}", file=sys.stderr, flush=True)
     try:
         server = make_server(llm, args.host, args.port, args.max_queue, args.queue_timeout, api_key,

@@ -160,3 +160,15 @@ def test_no_combination_reaches_a_kernel_with_a_missing_buffer(pair, tmp_path):
     last = p.stdout.strip().splitlines()[-1:] or [""]
     assert p.returncode == 0, f"exit {p.returncode} at: {last[0]}\n{p.stderr[-2000:]}"
     assert last[0].startswith("done") and int(last[0].split()[1]) >= 150
+
+
+def test_chat_and_serve_front_ends_get_the_note(pair):
+    """The API's start-up notes (printed by chat and serve) include the dense-attention note."""
+    from colibri import load
+    full, bare = pair
+    a = load(str(bare))
+    assert any("no DSA indexer" in n for n in a.model_notes())
+    a.close()
+    b = load(str(full))
+    assert not any("no DSA indexer" in n for n in b.model_notes())
+    b.close()
