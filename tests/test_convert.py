@@ -13,6 +13,7 @@ import safetensors.numpy as stnp
 
 from colibri import convert as cv
 from colibri import quant
+from colibri.config import ConfigError
 from colibri.st import ContainerError, SafeTensorsDir
 
 # -- a tiny glm_moe_dsa config -------------------------------------------------------
@@ -597,10 +598,10 @@ def test_missing_source_and_config(tmp_path):
         do_convert(tmp_path / "nothere", tmp_path / "dst")
     (tmp_path / "src").mkdir()
     stnp.save_file({"x": np.zeros(2, np.float32)}, str(tmp_path / "src" / "m.safetensors"))
-    with pytest.raises(ContainerError, match="config.json"):
+    with pytest.raises(ConfigError, match="config.json"):
         do_convert(tmp_path / "src", tmp_path / "dst")
-    (tmp_path / "src" / "config.json").write_text('{"hidden_size": 4}')
-    with pytest.raises(ContainerError, match="num_hidden_layers"):
+    (tmp_path / "src" / "config.json").write_text('{"hidden_size": 4, "vocab_size": 8}')
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
         do_convert(tmp_path / "src", tmp_path / "dst")
 
 
