@@ -10,6 +10,15 @@ with ``*_scale_inv`` 128x128 block scales) plus ``config.json``.  DST receives
 ``out-{i:05d}.safetensors`` for source shard i (sorted by name), the copied
 config/tokenizer files and ``colibri_convert.json``.
 
+A conversion of GLM-5 takes hours, so it fails in the first second or not at
+all: before DST is touched, ``config.json`` passes the engine's own validator
+(:func:`colibri.config.parse_config`: a ``glm_moe_dsa`` model the engine can
+run), the shards pass :class:`~colibri.st.SafeTensorsDir` (with a
+``model.safetensors.index.json``: every shard it names present and holding the
+tensors it names; other ``.safetensors`` files, an adapter say, skipped with a
+warning), every output tensor is planned from the headers, and DST's file
+system must have room for the planned output (:func:`output_bytes`).
+
 Container (engine spec 2.3): a quantized matrix NAME [O, I] is stored as NAME
 (U8, 1-D packed payload) plus NAME.qs (F32 [O] row scales); everything else is
 F32.  Files are written with ``safetensors.numpy.save_file`` (dtype-descending,
@@ -20,7 +29,11 @@ reference converter's.
 The conversion works one source shard at a time (and one row block of a matrix
 at a time), writes each output to a temporary name, fsyncs it and renames it
 into place, so an interrupted run can simply be started again: finished shards
-whose files still match the plan are kept, everything else is redone.
+whose files still match the plan are kept, everything else is redone.  A disk
+that fills up while writing ends the run with one line (:class:`NoSpaceError`)
+and the partial file removed; the manifest stays ``"complete": false`` and the
+same command resumes.  Output files get the permissions of any file the user
+creates (0644 under umask 022).
 """
 
 from __future__ import annotations
@@ -943,8 +956,10 @@ def _bits_arg(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``convert`` arguments to ``parser``."""
-    parser.add_argument("src", metavar="SRC", help="directory with the HF safetensors shards and config.json")
-    parser.add_argument("dst", metavar="DST", help="output directory (created; resumable)")
+    parser.add_argument("src", metavar="SRC", help="directory with the HF safetensors shards and config.json "
+                        "(a model.safetensors.index.json, when present, must match the shards)")
+    parser.add_argument("dst", metavar="DST", help="output directory (created; resumable; its file system "
+                        "must have room for the whole output, checked before anything is written)")
     parser.add_argument("--expert-bits", type=_bits_arg, metavar="N", default=DEFAULT_BITS["expert"],
                         help="routed experts (default %(default)s)")
     parser.add_argument("--dense-bits", type=_bits_arg, metavar="N", default=DEFAULT_BITS["dense"],
