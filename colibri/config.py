@@ -3,6 +3,11 @@
 The rules follow HF transformers' ``GlmMoeDsaConfig`` (the definition of the model) and the
 validation ranges of colibrì's ``load_cfg`` (spec §1), plus the implicit limits that glm.c does
 not check. Every violation raises :class:`ConfigError` naming the file and the field.
+
+This is the one validator of a model's config: ``model_init`` (through :func:`load_config`) and
+``python -m colibri convert`` (through :func:`parse_config`, before it reads any weight) use it.
+It refuses a config that names another architecture (``model_type`` / ``architectures``), and
+reads the text model's fields from ``text_config`` when a checkpoint nests them there.
 """
 from __future__ import annotations
 
@@ -15,6 +20,12 @@ from dataclasses import dataclass, field
 class ConfigError(ValueError):
     """A config.json field is missing, malformed or out of range."""
 
+
+#: The one model_type colibri runs (HF transformers' GlmMoeDsaConfig.model_type).
+MODEL_TYPE = "glm_moe_dsa"
+
+#: Every name in ``architectures`` starts with this (GlmMoeDsaForCausalLM, GlmMoeDsaModel, ...).
+ARCHITECTURE_PREFIX = "GlmMoeDsa"
 
 # field -> (json key, lo, hi, required)
 _INT_FIELDS = {
@@ -165,9 +176,43 @@ def _indexer_kinds(raw, path, n_layers):
     return [t == "full" for t in types[:n_layers]]
 
 
-def parse_config(raw: dict, path: str = "config.json") -> Config:
+def _check_architecture(raw: dict, path: str, where: str = "") -> None:
+    """Refuse a config naming another model (a missing model_type / architectures is accepted)."""
+    model_type = raw.get("model_type")
+    if model_type is not None and model_type != MODEL_TYPE:
+        raise _err(path, where + "model_type", f"= {model_type!r}: colibri runs only '{MODEL_TYPE}' models "
+                   "(GLM-5.x); this checkpoint is another architecture")
+    archs = raw.get("architectures")
+    if archs is None:
+        return
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise _err(path, where + "architectures", f"must be a list of class names, got {archs!r}")
+    other = [a for a in archs if not a.startswith(ARCHITECTURE_PREFIX)]
+    if other:
+        raise _err(path, where + "architectures", f"names {other[0]!r}: colibri runs only "
+                   f"{ARCHITECTURE_PREFIX}* ('{MODEL_TYPE}') models; this checkpoint is another architecture")
+
+
+def text_config(raw: dict, path: str = "config.json") -> dict:
+    """The text model's fields: ``raw`` itself, or ``raw["text_config"]`` when the checkpoint nests
+    them there (with the top level's ``quantization_config`` when the nested one has none).
+    Either level naming another architecture is a :class:`ConfigError`."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a JSON object")
+    _check_architecture(raw, path)
+    inner = raw.get("text_config")
+    if "num_hidden_layers" in raw or not isinstance(inner, dict):
+        return raw
+    _check_architecture(inner, path, "text_config.")
+    out = dict(inner)
+    if out.get("quantization_config") is None and raw.get("quantization_config") is not None:
+        out["quantization_config"] = raw["quantization_config"]
+    return out
+
+
+def parse_config(raw: dict, path: str = "config.json") -> Config:
+    """Validate the parsed ``config.json`` (top level, nesting allowed) into a :class:`Config`."""
+    raw = text_config(raw, path)
     vals = {name: _get_int(raw, path, key, lo, hi, req) for name, (key, lo, hi, req) in _INT_FIELDS.items()}
     if vals["qk_rope"] % 2:
         raise _err(path, "qk_rope_head_dim", f"= {vals['qk_rope']} must be even (RoPE rotates pairs)")
@@ -256,13 +301,21 @@ def indexer_missing(cfg: Config, tensors, where: str):
     return missing[0] if missing else None
 
 
-def load_config(model_dir: str) -> Config:
-    path = os.path.join(model_dir, "config.json")
+def read_config_json(model_dir: str):
+    """``(raw, path)``: the parsed ``MODEL_DIR/config.json`` (not validated) and its path."""
+    path = os.path.join(os.fspath(model_dir), "config.json")
     try:
         with open(path, "rb") as f:
             raw = json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: not found (is '{model_dir}' a model directory?)") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a file") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return raw, path
+
+
+def load_config(model_dir: str) -> Config:
+    raw, path = read_config_json(model_dir)
     return parse_config(raw, path)

@@ -10,6 +10,15 @@ with ``*_scale_inv`` 128x128 block scales) plus ``config.json``.  DST receives
 ``out-{i:05d}.safetensors`` for source shard i (sorted by name), the copied
 config/tokenizer files and ``colibri_convert.json``.
 
+A conversion of GLM-5 takes hours, so it fails in the first second or not at
+all: before DST is touched, ``config.json`` passes the engine's own validator
+(:func:`colibri.config.parse_config`: a ``glm_moe_dsa`` model the engine can
+run), the shards pass :class:`~colibri.st.SafeTensorsDir` (with a
+``model.safetensors.index.json``: every shard it names present and holding the
+tensors it names; other ``.safetensors`` files, an adapter say, skipped with a
+warning), every output tensor is planned from the headers, and DST's file
+system must have room for the planned output (:func:`output_bytes`).
+
 Container (engine spec 2.3): a quantized matrix NAME [O, I] is stored as NAME
 (U8, 1-D packed payload) plus NAME.qs (F32 [O] row scales); everything else is
 F32.  Files are written with ``safetensors.numpy.save_file`` (dtype-descending,
@@ -20,12 +29,17 @@ reference converter's.
 The conversion works one source shard at a time (and one row block of a matrix
 at a time), writes each output to a temporary name, fsyncs it and renames it
 into place, so an interrupted run can simply be started again: finished shards
-whose files still match the plan are kept, everything else is redone.
+whose files still match the plan are kept, everything else is redone.  A disk
+that fills up while writing ends the run with one line (:class:`NoSpaceError`)
+and the partial file removed; the manifest stays ``"complete": false`` and the
+same command resumes.  Output files get the permissions of any file the user
+creates (0644 under umask 022).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -36,7 +50,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import quant
-from .st import ContainerError, SafeTensorsDir, TensorInfo, decode_f32, scan_file
+from .config import parse_config, read_config_json, text_config
+from .st import DTYPE_SIZES, INDEX_NAME, ContainerError, SafeTensorsDir, TensorInfo, decode_f32, scan_file
+from .usage import fsync_dir, unlink_quietly
 
 __all__ = [
     "DEFAULT_BITS",
@@ -44,6 +60,7 @@ __all__ = [
     "MANIFEST_NAME",
     "STOP_ENV",
     "ConvertInterrupted",
+    "NoSpaceError",
     "ConvertOptions",
     "PlanItem",
     "classify",
@@ -51,6 +68,7 @@ __all__ = [
     "load_config",
     "plan_conversion",
     "output_name",
+    "output_bytes",
     "save_file_atomic",
     "convert",
     "add_arguments",
@@ -162,23 +180,14 @@ def _pos_int(x) -> Optional[int]:
 
 
 def load_config(src: str) -> dict:
-    """Read and sanity-check ``SRC/config.json`` (uses ``text_config`` when nested)."""
-    path = os.path.join(src, "config.json")
-    if not os.path.isfile(path):
-        raise ContainerError(f"{path}: missing config.json in the source directory")
-    try:
-        with open(path, "rb") as f:
-            cfg = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ContainerError(f"{path}: cannot parse config.json: {e}") from e
-    if not isinstance(cfg, dict):
-        raise ContainerError(f"{path}: config.json is not a JSON object")
-    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
-        cfg = dict(cfg["text_config"], quantization_config=cfg.get("quantization_config"))
-    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
-        if _pos_int(cfg.get(key)) is None:
-            raise ContainerError(f"{path}: {key} must be a positive integer, got {cfg.get(key)!r}")
-    return cfg
+    """Read ``SRC/config.json`` and validate it with the engine's own validator
+    (:func:`colibri.config.parse_config`: every field ``model_init`` checks, and the
+    ``glm_moe_dsa`` architecture), before any weight is read.  Returns the text model's
+    fields as a dict (``text_config`` when the checkpoint nests them).  Raises
+    :class:`~colibri.config.ConfigError` naming the file and the field."""
+    raw, path = read_config_json(src)
+    parse_config(raw, path)
+    return text_config(raw, path)
 
 
 def fp8_block_size(cfg: dict, config_path: str = "config.json") -> Tuple[int, int]:
@@ -450,6 +459,24 @@ def plan_conversion(index: SafeTensorsDir, cfg: dict, opts: ConvertOptions,
     return plans
 
 
+#: Header bytes allowed per output tensor on top of its name (its JSON entry: dtype, shape,
+#: data_offsets, quotes and separators take < 100 for any real size).
+_HEADER_ENTRY_BYTES = 128
+
+
+def output_bytes(items: List[PlanItem]) -> int:
+    """Size bound of the output file of one shard's plan: the bytes of every tensor its items
+    write (:meth:`PlanItem.outputs`) plus a header entry each."""
+    total = 8  # the header length
+    for it in items:
+        for name, dtype, shape in it.outputs():
+            n = DTYPE_SIZES[dtype]
+            for d in shape:
+                n *= int(d)
+            total += n + len(name.encode("utf-8")) + _HEADER_ENTRY_BYTES
+    return total
+
+
 def output_name(file_index: int) -> str:
     return f"out-{file_index:05d}.safetensors"
 
@@ -543,6 +570,24 @@ def _convert_item(index: SafeTensorsDir, it: PlanItem, out: Dict[str, np.ndarray
 # atomic writing
 
 
+#: errno values of a full file system: no space left, disk quota exceeded.
+_FULL_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if e is not None)
+
+# how the safetensors library (Rust) reports an I/O error: "... (os error 28) ..."
+_RUST_OS_ERROR_RE = re.compile(r"\(os error (\d+)\)")
+
+
+class NoSpaceError(OSError):
+    """DST's file system cannot hold the conversion: refused up front, or full while writing
+    (then the partial file is removed and a rerun resumes).  ``errno`` is ENOSPC."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
 def _fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -551,16 +596,36 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: str) -> None:
+def _os_error_of(e: Exception, path: str) -> Optional[OSError]:
+    """The OSError behind a writer's exception: itself, or the one a SafetensorError message
+    carries; None for any other error."""
+    if isinstance(e, OSError):
+        return e
+    m = _RUST_OS_ERROR_RE.search(str(e))
+    if m is None:
+        return None
+    code = int(m.group(1))
+    return OSError(code, os.strerror(code), path)
+
+
+def _creation_mode(path: str) -> int:
+    """Create ``path`` empty and return its permission bits: 0o666 less the umask, as for any
+    file the user creates (safetensors writes through a temporary of its own, created 0600,
+    and renames it over ``path``; the written file gets these bits back)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
     try:
-        _fsync_path(path)
-    except OSError:  # some platforms/filesystems cannot fsync a directory
-        pass
+        return os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
 
 
 def save_file_atomic(tensors: Dict[str, np.ndarray], path: str, tmp_path: Optional[str] = None) -> None:
     """Write ``tensors`` with ``safetensors.numpy.save_file`` to a temporary file,
-    check it, fsync it and rename it to ``path``."""
+    check it, fsync it and rename it to ``path`` (permissions per the umask).
+
+    On any error the temporary is removed and ``path`` is left as it was; an I/O error
+    (a full disk: errno ENOSPC) is raised as an :class:`OSError`, also when the safetensors
+    library reports it as a ``SafetensorError``."""
     from safetensors.numpy import save_file
 
     path = os.fspath(path)
@@ -568,22 +633,38 @@ def save_file_atomic(tensors: Dict[str, np.ndarray], path: str, tmp_path: Option
     if tmp_path is None:
         tmp_path = os.path.join(d, f".{base}.tmp")
     arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-    save_file(arrays, tmp_path)
-    scan_file(tmp_path)  # the file we just wrote must parse
-    _fsync_path(tmp_path)
-    os.replace(tmp_path, path)
-    _fsync_dir(d or ".")
+    try:
+        mode = _creation_mode(tmp_path)
+        try:
+            save_file(arrays, tmp_path)
+        except Exception as e:
+            err = _os_error_of(e, tmp_path)
+            if err is None or err is e:
+                raise
+            raise err from e
+        os.chmod(tmp_path, mode)
+        scan_file(tmp_path)  # the file we just wrote must parse
+        _fsync_path(tmp_path)
+        os.replace(tmp_path, path)
+    except BaseException:
+        unlink_quietly(tmp_path)
+        raise
+    fsync_dir(d or ".")
 
 
 def _write_bytes_atomic(data: bytes, path: str) -> None:
     d, base = os.path.split(path)
     tmp = os.path.join(d, f".{base}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(d or ".")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    fsync_dir(d or ".")
 
 
 def _existing_output_ok(path: str, items: List[PlanItem]) -> Tuple[bool, str]:
@@ -706,13 +787,70 @@ def _log(msg: str) -> None:
     print(f"[convert] {msg}", file=sys.stderr, flush=True)
 
 
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _free_bytes(path: str) -> int:
+    """Bytes an unprivileged user may still write on the file system of ``path`` (or of its
+    nearest existing parent, when ``path`` is yet to be created)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize
+
+
+def _shards_to_write(dst: str, plans: List[List[PlanItem]], verbose: bool) -> List[int]:
+    """Source shards whose output this run writes: every one with items, but for outputs an
+    earlier run finished that still match the plan."""
+    todo = []
+    for fi, items in enumerate(plans):
+        if not items:
+            continue
+        final = os.path.join(dst, output_name(fi))
+        if os.path.exists(final):
+            ok, why = _existing_output_ok(final, items)
+            if ok:
+                continue
+            if verbose:
+                _log(f"redoing {output_name(fi)}: {why}")
+        todo.append(fi)
+    return todo
+
+
+def _check_free_space(dst: str, need: int) -> None:
+    free = _free_bytes(dst)
+    if need > free:
+        raise NoSpaceError(
+            f"{dst}: not enough free space: the conversion writes {_gb(need)}, the file system has "
+            f"{_gb(free)} free; free {_gb(need - free)} or choose another destination"
+        )
+
+
+def _disk_full_error(dst: str, writing: str, left: int) -> NoSpaceError:
+    try:
+        free = f", {_gb(_free_bytes(dst))} free"
+    except OSError:
+        free = ""
+    return NoSpaceError(
+        f"{dst}: no space left on the device while writing {writing} ({_gb(left)} still to write{free}); "
+        f"the partial file was removed and {MANIFEST_NAME} records the conversion as incomplete: "
+        "free some space and run the same command again to resume"
+    )
+
+
 def convert(src, dst, opts: Optional[ConvertOptions] = None, *,
             stop_after_shards: Optional[int] = None, verbose: bool = True) -> dict:
     """Convert SRC into DST (see the module docstring).  Returns the manifest.
 
-    Raises :class:`ContainerError` (a ``ValueError``) naming the file and tensor
-    for bad input, and :class:`ConvertInterrupted` when ``stop_after_shards``
-    shards were written in this call.
+    Everything that can be checked without tensor data is checked before DST is
+    touched: ``config.json`` (:class:`~colibri.config.ConfigError`), the shards and
+    their index, every planned tensor (:class:`ContainerError`, a ``ValueError``,
+    naming the file and tensor) and the free space of DST (:class:`NoSpaceError`,
+    an ``OSError``).  A file system that fills up while writing raises
+    :class:`NoSpaceError` too, leaving DST resumable.  :class:`ConvertInterrupted`
+    is raised when ``stop_after_shards`` shards were written in this call.
     """
     opts = opts or ConvertOptions()
     src = os.fspath(src)
@@ -730,51 +868,45 @@ def convert(src, dst, opts: Optional[ConvertOptions] = None, *,
         plans = plan_conversion(index, cfg, opts, block)
         for t in index.shadowed():
             _log(f"warning: {t.path}: tensor {t.name!r} duplicates an entry of an earlier file; ignored")
+        for path in index.skipped:
+            _log(f"warning: {path}: not a shard named by {INDEX_NAME}; skipped")
         for need in _IO_NAMES:
             if need not in index and verbose:
                 _log(f"warning: {need} is missing from {src}; the engine needs it")
         copied = [n for n in COPY_FILES if os.path.isfile(os.path.join(src, n))]
         src_abs = os.path.abspath(src)
+        manifest = _manifest(src_abs, index, cfg, opts, block, plans, copied, complete=False)
+
+        if os.path.isdir(dst):
+            _check_resumable(dst, manifest, plans)
+            for n in os.listdir(dst):  # leftovers of an interrupted run
+                if _TMP_RE.match(n):
+                    os.remove(os.path.join(dst, n))
+        todo = _shards_to_write(dst, plans, verbose)
+        left = sum(output_bytes(plans[fi]) for fi in todo)
+        _check_free_space(dst, left + 2 * len(_manifest_bytes(manifest))
+                          + sum(os.path.getsize(os.path.join(src, n)) for n in copied))
 
         os.makedirs(dst, exist_ok=True)
-        manifest = _manifest(src_abs, index, cfg, opts, block, plans, copied, complete=False)
-        _check_resumable(dst, manifest, plans)
-        for n in os.listdir(dst):  # leftovers of an interrupted run
-            if _TMP_RE.match(n):
-                os.remove(os.path.join(dst, n))
-        _write_bytes_atomic(_manifest_bytes(manifest), os.path.join(dst, MANIFEST_NAME))
-        for n in copied:
-            with open(os.path.join(src, n), "rb") as f:
-                data = f.read()
-            target = os.path.join(dst, n)
-            if os.path.isfile(target):
-                with open(target, "rb") as f:
-                    if f.read() == data:
-                        continue
-            _write_bytes_atomic(data, target)
-
-        written = kept = 0
+        written = 0
+        writing = MANIFEST_NAME
         bar = _progress(total=len(plans), desc="shards", unit="shard")
         try:
-            for fi, items in enumerate(plans):
-                final = os.path.join(dst, output_name(fi))
-                if not items:
-                    bar.update(1)
-                    continue
-                if os.path.exists(final):
-                    ok, why = _existing_output_ok(final, items)
-                    if ok:
-                        kept += 1
-                        bar.update(1)
-                        continue
-                    if verbose:
-                        _log(f"redoing {output_name(fi)}: {why}")
+            _write_bytes_atomic(_manifest_bytes(manifest), os.path.join(dst, MANIFEST_NAME))
+            for n in copied:
+                writing = n
+                _copy_if_changed(os.path.join(src, n), os.path.join(dst, n))
+            bar.update(len(plans) - len(todo))
+            for fi in todo:
+                items = plans[fi]
+                writing = output_name(fi)
                 out: Dict[str, np.ndarray] = {}
                 scales = _ScaleCache(index)
                 for it in _progress(items, desc=output_name(fi), unit="t", leave=False):
                     _convert_item(index, it, out, scales, block)
-                save_file_atomic(out, final, os.path.join(dst, _tmp_name(fi)))
+                save_file_atomic(out, os.path.join(dst, output_name(fi)), os.path.join(dst, _tmp_name(fi)))
                 del out
+                left -= output_bytes(items)
                 written += 1
                 bar.update(1)
                 if verbose:
@@ -782,14 +914,29 @@ def convert(src, dst, opts: Optional[ConvertOptions] = None, *,
                          f"{os.path.basename(index.paths[fi])})")
                 if stop_after_shards is not None and written >= stop_after_shards:
                     raise ConvertInterrupted(f"stopped after {written} shard(s) as requested")
+            writing = MANIFEST_NAME
+            manifest = _manifest(src_abs, index, cfg, opts, block, plans, copied, complete=True)
+            _write_bytes_atomic(_manifest_bytes(manifest), os.path.join(dst, MANIFEST_NAME))
+        except OSError as e:
+            if e.errno not in _FULL_ERRNOS:
+                raise
+            raise _disk_full_error(dst, writing, left) from e
         finally:
             bar.close()
-
-        manifest = _manifest(src_abs, index, cfg, opts, block, plans, copied, complete=True)
-        _write_bytes_atomic(_manifest_bytes(manifest), os.path.join(dst, MANIFEST_NAME))
         if verbose:
+            kept = sum(1 for items in plans if items) - len(todo)
             _log(f"done: {written} shard(s) written, {kept} kept from an earlier run -> {dst}")
         return manifest
+
+
+def _copy_if_changed(src_path: str, target: str) -> None:
+    with open(src_path, "rb") as f:
+        data = f.read()
+    if os.path.isfile(target):
+        with open(target, "rb") as f:
+            if f.read() == data:
+                return
+    _write_bytes_atomic(data, target)
 
 
 # ---------------------------------------------------------------------------
@@ -809,8 +956,10 @@ def _bits_arg(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``convert`` arguments to ``parser``."""
-    parser.add_argument("src", metavar="SRC", help="directory with the HF safetensors shards and config.json")
-    parser.add_argument("dst", metavar="DST", help="output directory (created; resumable)")
+    parser.add_argument("src", metavar="SRC", help="directory with the HF safetensors shards and config.json "
+                        "(a model.safetensors.index.json, when present, must match the shards)")
+    parser.add_argument("dst", metavar="DST", help="output directory (created; resumable; its file system "
+                        "must have room for the whole output, checked before anything is written)")
     parser.add_argument("--expert-bits", type=_bits_arg, metavar="N", default=DEFAULT_BITS["expert"],
                         help="routed experts (default %(default)s)")
     parser.add_argument("--dense-bits", type=_bits_arg, metavar="N", default=DEFAULT_BITS["dense"],

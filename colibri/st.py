@@ -10,6 +10,13 @@ Every header is validated when the directory is opened, so a truncated or
 corrupt file is reported immediately, naming the file (and the tensor where one
 is involved), instead of failing later in the middle of inference.
 
+A folder holding an HF ``model.safetensors.index.json`` (a sharded checkpoint) is
+checked against it at open: every shard the index names must be there and hold
+the tensors the index puts in it, and only those shards are read (another
+``.safetensors`` file, an adapter say, is skipped and listed in
+:attr:`SafeTensorsDir.skipped`).  A folder without an index (colibri's own
+containers) is read whole: every ``.safetensors`` file, whatever its name.
+
 Tensor data are read with ``os.pread`` on file descriptors that stay open for
 the lifetime of the :class:`SafeTensorsDir`; the engine may use the same
 descriptors (:meth:`SafeTensorsDir.fileno`) for its own reads.
@@ -35,6 +42,8 @@ __all__ = [
     "DTYPE_SIZES",
     "FLOAT_DTYPES",
     "MAX_HEADER_BYTES",
+    "INDEX_NAME",
+    "read_index",
     "scan_file",
     "decode_f32",
     "e4m3_table",
@@ -42,6 +51,9 @@ __all__ = [
 
 #: Largest JSON header accepted (same limit as the safetensors library).
 MAX_HEADER_BYTES = 100_000_000
+
+#: The shard index of a sharded HF checkpoint (tensor name -> shard file name).
+INDEX_NAME = "model.safetensors.index.json"
 
 #: Item size in bytes of every safetensors dtype this reader understands.
 #: (Sub-byte dtypes such as F4 or F6_* are not supported and count as unknown.)
@@ -233,6 +245,7 @@ def scan_file(path: str, file_index: int = 0, fd: Optional[int] = None):
         data_start = 8 + hlen
         data_len = size - data_start
         tensors: Dict[str, TensorInfo] = {}
+        ranges: List[Tuple[int, int, str]] = []  # (begin, end, name) of every tensor's data
         data_end = 0
         for name, ent in header.items():
             if name == "__metadata__":
@@ -274,6 +287,7 @@ def scan_file(path: str, file_index: int = 0, fd: Optional[int] = None):
                     f"{size} bytes (truncated file)"
                 )
             data_end = max(data_end, end)
+            ranges.append((begin, end, name))
             tensors[name] = TensorInfo(
                 name=name,
                 path=path,
@@ -283,10 +297,23 @@ def scan_file(path: str, file_index: int = 0, fd: Optional[int] = None):
                 dtype=dtype,
                 shape=tuple(shape),
             )
+        _check_no_overlap(path, ranges)
         return tensors, hlen, data_end
     finally:
         if own_fd:
             os.close(fd)
+
+
+def _check_no_overlap(path: str, ranges: List[Tuple[int, int, str]]) -> None:
+    """Refuse two tensors whose data share bytes (the safetensors library refuses them too):
+    a write through one would change the other. Empty tensors hold no bytes and overlap nothing."""
+    filled = sorted(r for r in ranges if r[1] > r[0])
+    for (b0, e0, n0), (b1, e1, n1) in zip(filled, filled[1:]):
+        if b1 < e0:
+            raise ContainerError(
+                f"{path}: tensors {n0!r} (data bytes [{b0}, {e0})) and {n1!r} (data bytes [{b1}, {e1})) "
+                "overlap; a safetensors file stores every tensor in its own byte range"
+            )
 
 
 def _pread_into(fd: int, out: np.ndarray, offset: int, what: str) -> None:
@@ -317,6 +344,68 @@ def _pread_exact(fd: int, nbytes: int, offset: int, what: str) -> bytes:
 
 
 # ---------------------------------------------------------------------------
+# shard index
+
+
+def read_index(directory: str) -> Optional[Dict[str, str]]:
+    """The ``weight_map`` of ``DIR/model.safetensors.index.json`` (tensor name -> shard file
+    name), or None when the folder has no index."""
+    path = os.path.join(directory, INDEX_NAME)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            index = json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise ContainerError(f"{path}: cannot read: {e.strerror}") from e
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ContainerError(f"{path}: not valid JSON: {e}") from e
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict) or not wmap:
+        raise ContainerError(f"{path}: has no 'weight_map' object naming the shard of every tensor")
+    for name, shard in wmap.items():
+        if not (isinstance(shard, str) and shard.endswith(".safetensors")
+                and os.path.basename(shard) == shard and shard not in (".", "..")):
+            raise ContainerError(f"{path}: weight_map puts tensor {name!r} in {shard!r}, which is not "
+                                 "the name of a .safetensors file in this folder")
+    return wmap
+
+
+def _indexed_files(directory: str, names: List[str], wmap: Dict[str, str]) -> Tuple[List[str], List[str]]:
+    """(shards the index names, other .safetensors files); a named shard that is missing is an
+    error naming it and a tensor the index puts in it."""
+    by_shard: Dict[str, List[str]] = {}
+    for tensor, shard in wmap.items():
+        by_shard.setdefault(shard, []).append(tensor)
+    present = set(names)
+    missing = sorted((s for s in by_shard if s not in present), key=os.fsencode)
+    if missing:
+        shard = missing[0]
+        tensors = by_shard[shard]
+        more = f" and {len(tensors) - 1} more" if len(tensors) > 1 else ""
+        also = f" (and {len(missing) - 1} more missing shard(s))" if len(missing) > 1 else ""
+        raise ContainerError(
+            f"{os.path.join(directory, INDEX_NAME)}: names shard {shard} (tensor {tensors[0]!r}{more}), "
+            f"which is missing from {directory}{also}; the checkpoint is incomplete"
+        )
+    return [n for n in names if n in by_shard], [n for n in names if n not in by_shard]
+
+
+def _check_index_tensors(directory: str, wmap: Dict[str, str], paths: List[str],
+                         per_file: List[Dict[str, "TensorInfo"]]) -> None:
+    """Every tensor the index names is in the shard it names."""
+    held = {os.path.basename(p): tensors for p, tensors in zip(paths, per_file)}
+    absent = [(t, s) for t, s in wmap.items() if t not in held[s]]
+    if absent:
+        tensor, shard = absent[0]
+        more = f" ({len(absent) - 1} more tensor(s) of the index are missing too)" if len(absent) > 1 else ""
+        raise ContainerError(
+            f"{os.path.join(directory, INDEX_NAME)}: names tensor {tensor!r} in shard {shard}, but "
+            f"{os.path.join(directory, shard)} does not hold it{more}; the checkpoint is incomplete"
+        )
+
+
+# ---------------------------------------------------------------------------
 # directory
 
 
@@ -325,7 +414,9 @@ class SafeTensorsDir:
 
     Files are taken in byte order of their names; a duplicated tensor name
     resolves to the entry of the alphabetically first file.  Each file stays
-    open (``O_RDONLY``) until :meth:`close`.
+    open (``O_RDONLY``) until :meth:`close`.  With a ``model.safetensors.index.json``
+    only the shards it names are read, and they must hold what it says (see the
+    module docstring); :attr:`skipped` lists the paths of the files left out.
     """
 
     def __init__(self, directory):
@@ -346,9 +437,15 @@ class SafeTensorsDir:
              if n.endswith(".safetensors") and os.path.isfile(os.path.join(directory, n))),
             key=os.fsencode,
         )
+        wmap = read_index(directory)
+        skipped: List[str] = []
+        if wmap is not None:
+            names, skipped = _indexed_files(directory, names, wmap)
         if not names:
             raise ContainerError(f"{directory}: no .safetensors file in the directory")
         self.paths: List[str] = [os.path.join(directory, n) for n in names]
+        #: .safetensors files of the folder that its index does not name (not read)
+        self.skipped: List[str] = [os.path.join(directory, n) for n in skipped]
         try:
             for i, path in enumerate(self.paths):
                 try:
@@ -363,6 +460,8 @@ class SafeTensorsDir:
                         self._shadowed.append(info)  # first file wins
                     else:
                         self._index[name] = info
+            if wmap is not None:
+                _check_index_tensors(directory, wmap, self.paths, self._per_file)
         except BaseException:
             self.close()
             raise

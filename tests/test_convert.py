@@ -3,9 +3,14 @@
 Every test builds its own tiny fake model with numpy into tmp_path.
 """
 
+import errno
 import json
 import os
+import re
 import struct
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +18,8 @@ import safetensors.numpy as stnp
 
 from colibri import convert as cv
 from colibri import quant
-from colibri.st import ContainerError, SafeTensorsDir
+from colibri.config import ConfigError
+from colibri.st import ContainerError, SafeTensorsDir, scan_file
 
 # -- a tiny glm_moe_dsa config -------------------------------------------------------
 
@@ -597,10 +603,10 @@ def test_missing_source_and_config(tmp_path):
         do_convert(tmp_path / "nothere", tmp_path / "dst")
     (tmp_path / "src").mkdir()
     stnp.save_file({"x": np.zeros(2, np.float32)}, str(tmp_path / "src" / "m.safetensors"))
-    with pytest.raises(ContainerError, match="config.json"):
+    with pytest.raises(ConfigError, match="config.json"):
         do_convert(tmp_path / "src", tmp_path / "dst")
-    (tmp_path / "src" / "config.json").write_text('{"hidden_size": 4}')
-    with pytest.raises(ContainerError, match="num_hidden_layers"):
+    (tmp_path / "src" / "config.json").write_text('{"hidden_size": 4, "vocab_size": 8}')
+    with pytest.raises(ConfigError, match="num_hidden_layers"):
         do_convert(tmp_path / "src", tmp_path / "dst")
 
 
@@ -715,3 +721,290 @@ def test_mtp_copies_dropped_and_missing_mtp_ok(tmp_path):
     # without an MTP layer the third source shard is empty: no output file for it
     assert man["shards"][2] == {"source": "model-00003-of-00003.safetensors", "output": None}
     assert not (tmp_path / "dst" / "out-00002.safetensors").exists()
+
+
+# -- an incomplete or padded checkpoint: model.safetensors.index.json ---------------------------
+
+def write_index(src):
+    """model.safetensors.index.json naming every tensor of the folder's shards (as HF writes it)."""
+    wmap = {}
+    for p in sorted(src.glob("*.safetensors")):
+        wmap.update({n: p.name for n in scan_file(str(p))[0]})
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": wmap}, indent=2))
+    return wmap
+
+
+def test_index_naming_a_missing_shard(f32_model, tmp_path):
+    """A shard the index names is missing: refused before anything is written, naming the shard
+    and a tensor of it (it used to convert 2 of 3 shards and record "complete": true)."""
+    src, cfg, t = f32_model
+    wmap = write_index(src)
+    gone = "model-00002-of-00003.safetensors"
+    (src / gone).unlink()
+    with pytest.raises(ContainerError, match=r"index\.json: names shard model-00002-of-00003\.safetensors "
+                                             r"\(tensor '.*' and \d+ more\).*missing") as ei:
+        do_convert(src, tmp_path / "dst")
+    first = next(n for n, shard in wmap.items() if shard == gone)
+    assert repr(first) in str(ei.value)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_index_naming_a_tensor_absent_from_its_shard(f32_model, tmp_path):
+    src, cfg, t = f32_model
+    write_index(src)
+    p = src / "model-00002-of-00003.safetensors"
+    tensors = stnp.load_file(str(p))
+    del tensors["model.layers.1.self_attn.o_proj.weight"]
+    stnp.save_file(tensors, str(p))
+    with pytest.raises(ContainerError, match=r"names tensor 'model\.layers\.1\.self_attn\.o_proj\.weight' in "
+                                             r"shard model-00002-of-00003\.safetensors.*does not hold it"):
+        do_convert(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_unnamed_adapter_is_skipped_with_a_warning(f32_model, tmp_path, capsys):
+    src, cfg, t = f32_model
+    write_index(src)
+    do_convert(src, tmp_path / "ref")
+    stnp.save_file({"model.norm.weight": np.zeros(cfg["hidden_size"], np.float32),
+                    "base_model.lora_A.weight": np.zeros((2, 4), np.float32)}, str(src / "adapter.safetensors"))
+    capsys.readouterr()
+    cv.convert(str(src), str(tmp_path / "dst"), verbose=True)
+    err = capsys.readouterr().err
+    assert f"warning: {src / 'adapter.safetensors'}: not a shard named by model.safetensors.index.json; skipped" in err
+    assert dir_bytes(tmp_path / "dst") == dir_bytes(tmp_path / "ref")
+
+
+def _rewrite_header(path, fn):
+    """Apply fn to the JSON header of a safetensors file (the data stay as they are)."""
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    fn(header)
+    hb = json.dumps(header).encode()
+    hb += b" " * ((-len(hb)) % 8)
+    path.write_bytes(struct.pack("<Q", len(hb)) + hb + raw[8 + n:])
+
+
+def test_overlapping_tensor_ranges_refused(f32_model, tmp_path):
+    src, cfg, t = f32_model
+    p = src / "model-00003-of-00003.safetensors"
+
+    def alias(h):  # hnorm's entry points into enorm's bytes
+        b0, b1 = h["model.layers.2.enorm.weight"]["data_offsets"]
+        h["model.layers.2.hnorm.weight"]["data_offsets"] = [b0 + 4, b1 + 4]
+
+    _rewrite_header(p, alias)
+    with pytest.raises(ContainerError, match=r"model-00003-of-00003\.safetensors: tensors "
+                                             r"'model\.layers\.2\.enorm\.weight' .* and "
+                                             r"'model\.layers\.2\.hnorm\.weight' .* overlap"):
+        do_convert(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+# -- config.json: the engine's validator, before any weight is read ---------------------------------
+
+@pytest.mark.parametrize("over,field", [
+    ({"n_group": 2}, "n_group"),
+    ({"n_routed_experts": 0}, "n_routed_experts"),
+    ({"num_attention_heads": 0}, "num_attention_heads"),
+    ({"num_experts_per_tok": 99}, "num_experts_per_tok"),
+    ({"model_type": "llama"}, "model_type"),
+    ({"architectures": ["LlamaForCausalLM"]}, "architectures"),
+])
+def test_bad_config_refused_before_reading_weights(f32_model, tmp_path, monkeypatch, over, field):
+    """Configs the engine refuses are refused by convert too, in well under a second, before any
+    safetensors header is read and without creating DST (a GLM-5 conversion takes hours)."""
+    src, cfg, t = f32_model
+    (src / "config.json").write_text(json.dumps(make_cfg(**over)))
+
+    def no_weights(*a, **k):
+        raise AssertionError("convert read the weights before validating config.json")
+
+    monkeypatch.setattr(cv, "SafeTensorsDir", no_weights)
+    monkeypatch.setattr(cv, "scan_file", no_weights)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=rf"config\.json: field '{field}'"):
+        do_convert(src, tmp_path / "dst")
+    assert time.perf_counter() - t0 < 0.25
+    assert not (tmp_path / "dst").exists()
+
+
+def _colibri_cli(*args, code=None):
+    """`python -m colibri ARGS` in a subprocess; with ``code``, that Python runs first (a patch)."""
+    run_main = "import runpy, sys; sys.argv = ['colibri'] + sys.argv[1:]; runpy.run_module('colibri', run_name='__main__')"
+    argv = [sys.executable, "-c", (code or "") + "\n" + run_main, *map(str, args)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_llama_checkpoint_refused_at_the_cli(f32_model, tmp_path):
+    src, cfg, t = f32_model
+    llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 48, "hidden_size": 32,
+             "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "rms_norm_eps": 1e-5}
+    (src / "config.json").write_text(json.dumps(llama))
+    p = subprocess.run([sys.executable, "-m", "colibri", "convert", str(src), str(tmp_path / "dst")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines() == [
+        f"colibri convert: error: {src / 'config.json'}: field 'model_type' = 'llama': colibri runs only "
+        "'glm_moe_dsa' models (GLM-5.x); this checkpoint is another architecture"]
+    assert not (tmp_path / "dst").exists()
+
+
+def test_nested_text_config_converts(f32_model, tmp_path):
+    src, cfg, t = f32_model
+    do_convert(src, tmp_path / "flat")
+    nested = {"model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"], "text_config": cfg}
+    (src / "config.json").write_text(json.dumps(nested))
+    do_convert(src, tmp_path / "nested")
+    a, b = dir_bytes(tmp_path / "flat"), dir_bytes(tmp_path / "nested")
+    assert a.pop("config.json") != b.pop("config.json")
+    assert a == b
+    (src / "config.json").write_text(json.dumps(dict(nested, text_config=dict(cfg, n_group=2))))
+    with pytest.raises(ConfigError, match="n_group"):
+        do_convert(src, tmp_path / "bad")
+
+
+# -- disk space and file modes -----------------------------------------------------------------------
+
+class _Statvfs:
+    """What os.statvfs reports: f_bavail free blocks of f_frsize bytes."""
+
+    def __init__(self, free):
+        self.f_bavail, self.f_frsize = free, 1
+
+
+def test_planned_bytes_bound_each_output(f32_model, tmp_path):
+    src, cfg, t = f32_model
+    do_convert(src, tmp_path / "dst")
+    with SafeTensorsDir(src) as index:
+        plans = cv.plan_conversion(index, cv.load_config(str(src)), cv.ConvertOptions())
+    for fi, items in enumerate(plans):
+        size = os.path.getsize(tmp_path / "dst" / cv.output_name(fi))
+        n = sum(len(it.outputs()) for it in items)
+        assert size <= cv.output_bytes(items) <= size + 128 * n
+
+
+def test_not_enough_free_space_refused_up_front(f32_model, tmp_path, monkeypatch, capsys):
+    src, cfg, t = f32_model
+    with SafeTensorsDir(src) as index:
+        plans = cv.plan_conversion(index, cv.load_config(str(src)), cv.ConvertOptions())
+    planned = sum(cv.output_bytes(items) for items in plans)
+    seen = []
+
+    def statvfs(path):
+        seen.append(path)
+        return _Statvfs(planned - 1)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    dst = tmp_path / "new" / "dst"
+    assert cv.main([str(src), str(dst)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(
+        rf"colibri convert: error: {re.escape(str(dst))}: not enough free space: the conversion writes "
+        r"0\.00 GB, the file system has 0\.00 GB free; free 0\.00 GB or choose another destination", err[0]), err
+    assert seen == [str(tmp_path)]  # DST's nearest existing parent
+    assert not (tmp_path / "new").exists()
+
+
+def test_free_space_counts_only_what_is_left_to_write(f32_model, tmp_path, monkeypatch):
+    src, cfg, t = f32_model
+    with SafeTensorsDir(src) as index:
+        plans = cv.plan_conversion(index, cv.load_config(str(src)), cv.ConvertOptions())
+    dst = tmp_path / "dst"
+    with pytest.raises(cv.ConvertInterrupted):
+        cv.convert(str(src), str(dst), stop_after_shards=1, verbose=False)
+    free = cv.output_bytes(plans[1]) + cv.output_bytes(plans[2]) + 6000  # + manifest and copies
+    assert free < sum(cv.output_bytes(items) for items in plans)
+    monkeypatch.setattr(os, "statvfs", lambda path: _Statvfs(free))
+    with pytest.raises(cv.NoSpaceError, match="not enough free space"):
+        do_convert(src, tmp_path / "fresh")  # the whole conversion does not fit
+    do_convert(src, dst)  # what is left of it does
+    assert json.loads((dst / "colibri_convert.json").read_text())["complete"] is True
+
+
+def _disk_full(kind):
+    if kind == "OSError":
+        return OSError(errno.ENOSPC, "No space left on device")
+    from safetensors import SafetensorError  # how the library reports it
+    return SafetensorError('Error while serializing: I/O error: No space left on device (os error 28) '
+                           'at path "/x/.tmpAbC123"')
+
+
+@pytest.mark.parametrize("kind", ["OSError", "SafetensorError"])
+def test_disk_full_while_writing_is_resumable(f32_model, tmp_path, monkeypatch, kind):
+    src, cfg, t = f32_model
+    do_convert(src, tmp_path / "ref")
+    dst = tmp_path / "dst"
+    real = stnp.save_file
+    calls = []
+
+    def full_disk(tensors, filename, metadata=None):
+        calls.append(os.path.basename(filename))
+        if len(calls) == 2:  # the second shard does not fit
+            with open(filename, "wb") as f:
+                f.write(b"partial")
+            raise _disk_full(kind)
+        return real(tensors, filename, metadata)
+
+    monkeypatch.setattr(stnp, "save_file", full_disk)
+    with pytest.raises(cv.NoSpaceError) as ei:
+        do_convert(src, dst)
+    msg = str(ei.value)
+    assert ei.value.errno == errno.ENOSPC and "\n" not in msg
+    assert msg.startswith(f"{dst}: no space left on the device while writing out-00001.safetensors (")
+    assert msg.endswith("run the same command again to resume")
+    assert sorted(os.listdir(dst)) == ["chat_template.jinja", "colibri_convert.json", "config.json",
+                                       "out-00000.safetensors", "tokenizer.json"]  # temporary removed
+    assert json.loads((dst / "colibri_convert.json").read_text())["complete"] is False
+    monkeypatch.setattr(stnp, "save_file", real)
+    do_convert(src, dst)
+    assert dir_bytes(dst) == dir_bytes(tmp_path / "ref")
+
+
+def test_disk_full_at_the_cli(f32_model, tmp_path):
+    """`python -m colibri convert` on a disk that fills up: one error line, exit 1, no traceback;
+    the same command run again finishes the conversion."""
+    src, cfg, t = f32_model
+    do_convert(src, tmp_path / "ref")
+    dst = tmp_path / "dst"
+    patch = """
+import safetensors.numpy as stnp
+from safetensors import SafetensorError
+real, calls = stnp.save_file, []
+def full_disk(tensors, filename, metadata=None):
+    calls.append(filename)
+    if len(calls) == 2:
+        open(filename, "wb").write(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    return real(tensors, filename, metadata)
+stnp.save_file = full_disk
+"""
+    p = _colibri_cli("convert", src, dst, code=patch)
+    assert p.returncode == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    errors = [line for line in p.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"colibri convert: error: {dst}: no space left on the device while writing out-00001.safetensors"), p.stderr
+    assert not any(n.startswith(".") for n in os.listdir(dst))
+    assert json.loads((dst / "colibri_convert.json").read_text())["complete"] is False
+    p = _colibri_cli("convert", src, dst)
+    assert p.returncode == 0, p.stderr
+    assert "done: 2 shard(s) written, 1 kept from an earlier run" in p.stderr
+    assert dir_bytes(dst) == dir_bytes(tmp_path / "ref")
+
+
+@pytest.mark.parametrize("mask,mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_outputs_honour_the_umask(f32_model, tmp_path, mask, mode):
+    src, cfg, t = f32_model
+    old = os.umask(mask)
+    try:
+        do_convert(src, tmp_path / "dst")
+    finally:
+        os.umask(old)
+    modes = {n: os.stat(tmp_path / "dst" / n).st_mode & 0o777 for n in os.listdir(tmp_path / "dst")}
+    assert modes == {n: mode for n in modes} and "out-00000.safetensors" in modes

@@ -189,3 +189,70 @@ def test_fp8_checkpoint_is_refused_until_converted():
     an FP8 checkpoint directly is a clear error, never a silently wrong model."""
     with pytest.raises(ContainerError, match="convert"):
         model_init(DATA / "tiny_dense_fp8")
+
+
+# -- the architecture, through the one validator (parse_config) ------------------------
+
+@pytest.mark.parametrize("key,value,why", [
+    ("model_type", "llama", "colibri runs only 'glm_moe_dsa'"),
+    ("architectures", ["LlamaForCausalLM"], "names 'LlamaForCausalLM': colibri runs only GlmMoeDsa"),
+    ("architectures", "GlmMoeDsaForCausalLM", "must be a list"),
+])
+def test_other_architecture_refused(model_copy, key, value, why):
+    raw = _config()
+    raw[key] = value
+    with pytest.raises(ConfigError, match=f"field '{key}'.*{why}"):
+        parse_config(raw, "config.json")
+    (model_copy / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=rf"config\.json: field '{key}'.*{why}"):
+        model_init(model_copy)
+
+
+def test_config_without_model_type_accepted(model_copy):
+    raw = _config()
+    del raw["model_type"], raw["architectures"]
+    assert parse_config(raw) == parse_config(_config())
+    (model_copy / "config.json").write_text(json.dumps(raw))
+    assert model_init(model_copy).cfg == parse_config(_config())
+
+
+def test_nested_text_config(model_copy):
+    """Some GLM checkpoints nest the text model's fields under text_config: the engine reads them
+    there, and a nested config naming another architecture is refused."""
+    raw = _config()
+    nested = {"model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"], "text_config": raw}
+    (model_copy / "config.json").write_text(json.dumps(nested))
+    m = model_init(model_copy)
+    assert m.cfg == parse_config(raw)
+    with pytest.raises(ConfigError, match=r"field 'text_config\.model_type'"):
+        parse_config(dict(nested, text_config=dict(raw, model_type="qwen2")))
+
+
+# -- the shard index of a plain HF checkpoint run directly ---------------------------
+
+def _write_index(d, wmap):
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+
+
+def test_engine_index_names_missing_shard(model_copy):
+    names = list(load_file(str(model_copy / "model.safetensors")))
+    wmap = {n: "model.safetensors" for n in names}
+    wmap[names[-1]] = "model-00002-of-00002.safetensors"
+    _write_index(model_copy, wmap)
+    with pytest.raises(ContainerError, match=rf"names shard model-00002-of-00002\.safetensors "
+                                             rf"\(tensor '{names[-1]}'\).*missing"):
+        model_init(model_copy)
+
+
+def test_engine_index_skips_unnamed_adapter(model_copy):
+    """An adapter.safetensors the index does not name is not read (it would otherwise shadow the
+    model's own tensors: 'adapter' sorts before 'model')."""
+    ref = model_init(SRC)
+    ref.kv_alloc(4)
+    want = ref.step([3, 14, 15], 0)
+    norm = load_file(str(model_copy / "model.safetensors"))["model.norm.weight"]
+    save_file({"model.norm.weight": np.zeros_like(norm)}, str(model_copy / "adapter.safetensors"))
+    _write_index(model_copy, {n: "model.safetensors" for n in load_file(str(model_copy / "model.safetensors"))})
+    m = model_init(model_copy)
+    m.kv_alloc(4)
+    np.testing.assert_array_equal(m.step([3, 14, 15], 0), want)

@@ -261,3 +261,97 @@ def test_short_read_after_open(tmp_path):
         with pytest.raises(ContainerError, match="short read") as ei:
             d.read_raw("a")
         assert "m.safetensors" in str(ei.value) and "'a'" in str(ei.value)
+
+
+def test_overlapping_byte_ranges_refused(tmp_path):
+    """Two tensors sharing data bytes: refused at open, naming the file and both tensors (the
+    safetensors library refuses such a file too)."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+    p = tmp_path / "bad.safetensors"
+    hb = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                     "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+                     "c": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}}).encode()
+    write_header_bytes(p, hb, b"\0" * 12)
+    with pytest.raises(SafetensorError):
+        load_file(str(p))
+    e = _expect_open_error(tmp_path, "overlap")
+    assert "'a'" in str(e) and "'b'" in str(e) and "'c'" not in str(e)
+    with pytest.raises(ContainerError, match=r"'a'.*'b'.*overlap"):
+        scan_file(str(p))
+    # one tensor nested inside another, with a third in between in header order
+    hb = json.dumps({"big": {"dtype": "U8", "shape": [16], "data_offsets": [0, 16]},
+                     "tail": {"dtype": "U8", "shape": [4], "data_offsets": [16, 20]},
+                     "inner": {"dtype": "U8", "shape": [2], "data_offsets": [6, 8]}}).encode()
+    write_header_bytes(p, hb, b"\0" * 20)
+    e = _expect_open_error(tmp_path, "overlap")
+    assert "'big'" in str(e) and "'inner'" in str(e)
+
+
+def test_adjacent_and_empty_ranges_accepted(tmp_path):
+    write_raw(tmp_path / "m.safetensors", [("a", "F32", (2,), b"\0" * 8), ("e", "F32", (0,), b""),
+                                           ("b", "U8", (3,), b"\1\2\3")])
+    with SafeTensorsDir(tmp_path) as d:
+        assert d.names() == ["a", "b", "e"] and d.read_raw("b").tolist() == [1, 2, 3]
+
+
+# -- the shard index of an HF checkpoint -------------------------------------------
+
+def _sharded(tmp_path, extra_index=None):
+    """Two shards and their model.safetensors.index.json."""
+    write_raw(tmp_path / "model-00001-of-00002.safetensors", [("x", "F32", (1,), b"\0" * 4),
+                                                              ("y", "F32", (1,), b"\0" * 4)])
+    write_raw(tmp_path / "model-00002-of-00002.safetensors", [("z", "F32", (1,), b"\0" * 4)])
+    wmap = {"x": "model-00001-of-00002.safetensors", "y": "model-00001-of-00002.safetensors",
+            "z": "model-00002-of-00002.safetensors"}
+    wmap.update(extra_index or {})
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 12}, "weight_map": wmap}))
+    return tmp_path
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    _sharded(tmp_path)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ContainerError, match=r"model\.safetensors\.index\.json: names shard "
+                                             r"model-00002-of-00002\.safetensors \(tensor 'z'\).*missing"):
+        SafeTensorsDir(tmp_path)
+
+
+def test_index_naming_an_absent_tensor(tmp_path):
+    _sharded(tmp_path, {"w": "model-00002-of-00002.safetensors"})
+    with pytest.raises(ContainerError, match=r"index\.json: names tensor 'w' in shard "
+                                             r"model-00002-of-00002\.safetensors.*does not hold it"):
+        SafeTensorsDir(tmp_path)
+
+
+def test_index_skips_files_it_does_not_name(tmp_path):
+    _sharded(tmp_path)
+    write_raw(tmp_path / "adapter.safetensors", [("x", "F32", (1,), b"\1" * 4),
+                                                 ("lora", "F32", (1,), b"\0" * 4)])
+    with SafeTensorsDir(tmp_path) as d:
+        assert [os.path.basename(p) for p in d.paths] == ["model-00001-of-00002.safetensors",
+                                                          "model-00002-of-00002.safetensors"]
+        assert d.skipped == [str(tmp_path / "adapter.safetensors")]
+        assert d.names() == ["x", "y", "z"] and d.shadowed() == []
+
+
+@pytest.mark.parametrize("text,pattern", [
+    ("{not json", "not valid JSON"),
+    ('{"metadata": {}}', "weight_map"),
+    ('{"weight_map": {"x": "../elsewhere.safetensors"}}', "'x'.*not the name of a .safetensors file"),
+])
+def test_bad_index_file(tmp_path, text, pattern):
+    _sharded(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ContainerError, match=r"model\.safetensors\.index\.json: .*" + pattern):
+        SafeTensorsDir(tmp_path)
+
+
+def test_without_index_every_file_is_read(tmp_path):
+    """colibri's and colibrì's containers have no index: every .safetensors file counts."""
+    for i, n in enumerate(["out-00000.safetensors", "out-mtp-00000.safetensors", "out-idx-00000.safetensors",
+                           "anything.safetensors"]):
+        write_raw(tmp_path / n, [(f"t{i}", "F32", (1,), b"\0" * 4)])
+    with SafeTensorsDir(tmp_path) as d:
+        assert len(d.paths) == 4 and d.names() == ["t0", "t1", "t2", "t3"] and d.skipped == []
