@@ -96,14 +96,18 @@ GLM5 = {
 ROPE_THETA = 1_000_000
 MAX_POSITIONS = 202752
 
-#: Bytes generated and written at once (a multiple of 8: random_raw yields 64-bit words).
-CHUNK_BYTES = 16 << 20
+#: Bytes generated and written at once (a multiple of 8: random_raw yields 64-bit words; 1 MiB
+#: keeps the bit twiddling in cache).
+CHUNK_BYTES = 1 << 20
 
 #: log-normal spread of the per-row scales around their nominal value.
 ROW_SCALE_SPREAD = 0.2
 
 #: Placeholder token text for ids the small tokenizer has no token for.
 FILLER = "<|t{}|>"
+
+#: Bump when the values drawn for a tensor change (a rerun then refuses to mix old and new files).
+VALUES_VERSION = 1
 
 SYNTHETIC_NOTE = ("synthetic slice written by tools/make_glm5_slice.py: random weights at GLM-5 widths, "
                   "not a trained model (for measuring load time, RAM, disk traffic and speed)")
@@ -372,28 +376,49 @@ def value_std(fmt: str) -> float:
     return math.sqrt(q * (2 * q + 1) / 6.0)
 
 
-def fold_codes(b: np.ndarray, fmt: str) -> None:
-    """In place: map the most negative code of every packed value onto 0 (zero-mean, symmetric)."""
-    if fmt == "int8":                       # two's complement: 0x80 = -128 -> 0
-        b[b == 0x80] = 0
-    elif fmt == "int4":                     # nibble v+8: 0 (= -8) -> 8 (= 0)
-        b |= ((b & 0x0F) == 0).view(np.uint8) << 3
-        b |= ((b & 0xF0) == 0).view(np.uint8) << 7
-    elif fmt == "int2":                     # crumb v+2: 0 (= -2) -> 2 (= 0)
-        for k in range(0, 8, 2):
-            b |= (((b >> k) & 3) == 0).view(np.uint8) << (k + 1)
-    else:
-        raise ValueError(fmt)
+#: per container: (field width in bits, XOR turning its codes into offset binary)
+_FIELDS = {"int8": (8, 0x80), "int4": (4, 0x0), "int2": (2, 0x0)}
+
+
+def _repeat(byte: int) -> np.uint64:
+    return np.uint64(int.from_bytes(bytes([byte]) * 8, "little"))
+
+
+def fold_codes(w: np.ndarray, fmt: str, tmp: Optional[np.ndarray] = None) -> None:
+    """In place on packed uint64 words: map the most negative code of every value onto the code
+    of 0 (int4 nibble 0 = -8 -> 8, int2 crumb 0 = -2 -> 2, int8 0x80 = -128 -> 0x00), so the
+    values are symmetric with zero mean. SWAR: in offset binary (int8: XOR 0x80) the most negative
+    code is an all-zero field; OR-ing each field's bits down into its lowest bit finds them, and
+    setting such a field's top bit makes it the code of 0."""
+    width, flip = _FIELDS[fmt]
+    lsb = _repeat({8: 0x01, 4: 0x11, 2: 0x55}[width])
+    if tmp is None:
+        tmp = np.empty_like(w)
+    if flip:
+        np.bitwise_xor(w, _repeat(flip), out=w)
+    np.right_shift(w, np.uint64(1), out=tmp)
+    np.bitwise_or(tmp, w, out=tmp)                 # bit 0 of a field: bits 0..1 of it
+    shift = 2
+    while shift < width:                            # ... bits 0..width-1 (never the next field's)
+        tmp |= tmp >> np.uint64(shift)
+        shift *= 2
+    np.bitwise_and(tmp, lsb, out=tmp)
+    np.bitwise_xor(tmp, lsb, out=tmp)               # 1 at bit 0 of every all-zero field
+    np.left_shift(tmp, np.uint64(width - 1), out=tmp)
+    np.bitwise_or(w, tmp, out=w)
+    if flip:
+        np.bitwise_xor(w, _repeat(flip), out=w)
 
 
 def _payload_chunks(t: Tensor, rng: np.random.Generator) -> Iterator[np.ndarray]:
     left = t.nbytes
     bitgen = rng.bit_generator
+    tmp = np.empty(CHUNK_BYTES // 8, np.uint64)
     while left > 0:
         n = min(left, CHUNK_BYTES)
-        b = bitgen.random_raw(-(-n // 8)).view(np.uint8)[:n]   # the stream does not depend on n
-        fold_codes(b, t.fmt)
-        yield b
+        w = bitgen.random_raw(-(-n // 8))            # the stream does not depend on the chunk size
+        fold_codes(w, t.fmt, tmp[:w.shape[0]])
+        yield w.view(np.uint8)[:n]
         left -= n
 
 
@@ -577,15 +602,16 @@ def make_slice(dst: str, *, dense_layers: int = 1, moe_layers: int = 3, mtp: boo
         raise SliceError(f"--dense-layers {dense_layers} --moe-layers {moe_layers}: give at least one layer")
     if dense_layers + moe_layers > 128:
         raise SliceError("at most 128 layers (the engine's limit)")
-    if mtp and moe_layers < 1:
-        raise SliceError("--mtp needs at least one MoE layer (the MTP layer is a MoE layer)")
+    if seed < 0:
+        raise SliceError(f"--seed must be >= 0, got {seed}")
     base_vocab = tokenizer_base_vocab()
     dims = shrunk_dims(shrink, base_vocab)
     tok_json, tok_cfg, eos = small_tokenizer(dims["vocab_size"])
     cfg = build_config(dims, dense_layers, moe_layers, mtp, eos)
     files, classes = plan_slice(cfg, opts.bits(), mtp)
-    params = {"tool": "tools/make_glm5_slice.py", "version": 1, "seed": int(seed), "shrink": int(shrink),
-              "dense_layers": int(dense_layers), "moe_layers": int(moe_layers), "mtp": bool(mtp)}
+    params = {"tool": "tools/make_glm5_slice.py", "values_version": VALUES_VERSION, "seed": int(seed),
+              "shrink": int(shrink), "dense_layers": int(dense_layers), "moe_layers": int(moe_layers),
+              "mtp": bool(mtp)}
     manifest = build_manifest(cfg, opts, files, classes, params, complete=False)
     _check_destination(dst, files, manifest)
 
@@ -596,9 +622,10 @@ def make_slice(dst: str, *, dense_layers: int = 1, moe_layers: int = 3, mtp: boo
             if os.path.exists(path) and _existing_output_ok(path, fp.tensors)[0]:
                 keep.add(fp.name)
     todo = [fp for fp in files if fp.name not in keep]
-    need = sum(fp.nbytes for fp in todo)
-    os.makedirs(dst, exist_ok=True)
+    sizes = {fp.name: len(header_bytes(fp.tensors)) + fp.nbytes for fp in files}
+    need = sum(sizes[fp.name] for fp in todo)
     _check_space(dst, need)
+    os.makedirs(dst, exist_ok=True)
     for n in os.listdir(dst):                  # leftovers of an interrupted run
         if n.startswith(".out-") and n.endswith(".safetensors.tmp"):
             os.remove(os.path.join(dst, n))
@@ -629,19 +656,22 @@ def make_slice(dst: str, *, dense_layers: int = 1, moe_layers: int = 3, mtp: boo
         "files": [fp.name for fp in files],
         "written": [fp.name for fp in todo],
         "kept": sorted(keep),
-        "bytes_total": sum(fp.nbytes + len(header_bytes(fp.tensors)) for fp in files),
+        "file_bytes": sizes,
+        "bytes_total": sum(sizes.values()),
         "bytes_written": need,
         "write_s": t_write,
         "total_s": time.perf_counter() - t0,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "config": {k: cfg[k] for k in ("num_hidden_layers", "first_k_dense_replace", "vocab_size",
                                        "hidden_size", "n_routed_experts", "moe_intermediate_size")},
-        "expert_bytes": _expert_bytes(files, cfg),
+        "resident_bytes": sum(t.nbytes for fp in files for t in fp.tensors if ".mlp.experts." not in t.name),
+        "expert_bytes": _expert_bytes(files),
     }
 
 
-def _expert_bytes(files: List[FilePlan], cfg: dict) -> Dict[int, int]:
-    """Disk bytes of routed expert 0 of every MoE row (payloads + .qs), as `plan` counts them."""
+def _expert_bytes(files: List[FilePlan]) -> Dict[int, int]:
+    """Disk bytes of routed expert 0 of every MoE row (payloads + .qs), as `plan` counts them.
+    (resident_bytes above: every other tensor, = Model.resident_bytes() for a container.)"""
     out = {}
     for fp in files:
         for t in fp.tensors:
@@ -683,6 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="add the MTP layer model.layers.{num_hidden_layers} (a MoE layer + eh_proj, enorm, "
                          "hnorm, shared_head.norm; int8 by default: +9.7 GB at full width)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0); same seed, same bytes")
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON instead of text")
     ap.add_argument("--shrink", type=int, default=1, metavar="N",
                     help="divide every width by N (default 1: GLM-5's real widths)")
     for cls, what in (("expert", "routed experts"), ("dense", "attention, dense MLP, shared expert"),
@@ -703,7 +734,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (SliceError, ContainerError, ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
-    print(summary_text(s))
+    print(json.dumps(s, indent=2) if args.json else summary_text(s))
     return 0
 
 
