@@ -344,8 +344,7 @@ def test_bits_flags(tmp_path):
     with SafeTensorsDir(str(d)) as st:
         assert _fmt_of(st, "model.layers.1.mlp.experts.0.up_proj.weight", Ie, D) == "int8"
         assert _fmt_of(st, "lm_head.weight", V, D) == "int4"
-        nh, hd = cfg["index_n_heads"], cfg["index_head_dim"]
-        assert _fmt_of(st, "model.layers.0.self_attn.indexer.wk.weight", hd, D) == "int2"
+        assert _fmt_of(st, "model.layers.0.self_attn.indexer.wk.weight", cfg["index_head_dim"], D) == "int2"
         o = st.info("model.layers.0.self_attn.o_proj.weight")              # --dense-bits 16: f32
         assert o.dtype == "F32" and o.shape == (D, cfg["num_attention_heads"] * cfg["v_head_dim"])
         assert "model.layers.0.self_attn.o_proj.weight.qs" not in st

@@ -41,7 +41,7 @@ a slice in seconds.
 
 Example::
 
-    python tools/make_glm5_slice.py /work/glm5-slice            # ~16.6 GB, ~14.5 GB of int4 experts
+    python tools/make_glm5_slice.py /work/glm5-slice            # 17.0 GB, of which 14.5 GB int4 experts
     python -m colibri plan /work/glm5-slice
     python -m colibri run --model /work/glm5-slice "def f(x):" --max-tokens 8 --ram 8
 """
@@ -67,7 +67,7 @@ from colibri.config import parse_config
 from colibri.convert import (DEFAULT_BITS, MANIFEST_NAME, MANIFEST_VERSION, ConvertOptions, _bits_arg,
                              _existing_output_ok, _fsync_dir, _manifest_bytes, _progress,
                              _write_bytes_atomic, classify, expected_shape, output_name)
-from colibri.st import ContainerError, scan_file
+from colibri.st import ContainerError
 
 PROG = "make_glm5_slice.py"
 
@@ -251,13 +251,8 @@ def _matrix(name, O, I, cfg, bits, sigma, classes) -> List[Tensor]:
     exp = expected_shape(name, cfg)
     assert exp is None or exp == (O, I), (name, exp, (O, I))
     cls = classify(name, 2, cfg["num_hidden_layers"])
-    if cls == "f32":
-        fmt = "f32"
-    else:
-        fmt = quant.storage_format(bits[cls], O, I)
-    c = classes.setdefault(cls, {"tensors": 0, "formats": {}})
-    c["tensors"] += 1
-    c["formats"][fmt] = c["formats"].get(fmt, 0) + 1
+    fmt = "f32" if cls == "f32" else quant.storage_format(bits[cls], O, I)
+    _count(classes, cls, fmt)
     if fmt == "f32":
         return [Tensor(name, "F32", (O, I), "gauss", sigma=sigma)]
     return [Tensor(name, "U8", (quant.payload_nbytes(fmt, O, I),), "payload", fmt, sigma),
@@ -266,10 +261,15 @@ def _matrix(name, O, I, cfg, bits, sigma, classes) -> List[Tensor]:
 
 def _vector(name, n, kind, cfg, classes) -> Tensor:
     assert classify(name, 1, cfg["num_hidden_layers"]) == "f32", name
-    c = classes.setdefault("f32", {"tensors": 0, "formats": {}})
-    c["tensors"] += 1
-    c["formats"]["f32"] = c["formats"].get("f32", 0) + 1
+    _count(classes, "f32", "f32")
     return Tensor(name, "F32", (n,), kind)
+
+
+def _count(classes: dict, cls: str, fmt: str) -> None:
+    """The manifest's per-class tally, as the converter keeps it."""
+    c = classes.setdefault(cls, {"tensors": 0, "formats": {}})
+    c["tensors"] += 1
+    c["formats"][fmt] = c["formats"].get(fmt, 0) + 1
 
 
 def _layer_tensors(i: int, cfg: dict, bits: Dict[str, int], classes: dict, *, sparse: bool,
@@ -472,11 +472,11 @@ def write_file(path: str, plan: FilePlan, seed: int, bar=None) -> None:
         for t in plan.tensors:
             wrote = 0
             for chunk in tensor_chunks(t, seed):
-                mv = memoryview(np.ascontiguousarray(chunk)).cast("B")
-                f.write(mv)
-                wrote += len(mv)
+                raw = np.ascontiguousarray(chunk, dtype=chunk.dtype.newbyteorder("<")).view(np.uint8)
+                f.write(raw)
+                wrote += raw.nbytes
                 if bar is not None:
-                    bar.update(len(mv))
+                    bar.update(raw.nbytes)
             assert wrote == t.nbytes, (t.name, wrote, t.nbytes)
         f.flush()
         os.fsync(f.fileno())
@@ -683,10 +683,13 @@ def _expert_bytes(files: List[FilePlan]) -> Dict[int, int]:
 
 def summary_text(s: dict) -> str:
     gb = s["bytes_written"] / 1e9
-    lines = [f"wrote {len(s['written'])} file(s), {gb:.2f} GB in {s['write_s']:.1f} s "
-             f"({gb / max(s['write_s'], 1e-9):.2f} GB/s)"
-             + (f"; kept {len(s['kept'])} from an earlier run" if s["kept"] else "")
-             + f"; peak RSS {s['peak_rss_bytes'] / 1e6:.0f} MB",
+    if s["written"]:
+        done = (f"wrote {len(s['written'])} file(s), {gb:.2f} GB in {s['write_s']:.1f} s "
+                f"({gb / max(s['write_s'], 1e-9):.2f} GB/s)"
+                + (f"; kept {len(s['kept'])} from an earlier run" if s["kept"] else ""))
+    else:
+        done = f"nothing to write: all {len(s['kept'])} files kept from an earlier run"
+    lines = [done + f"; peak RSS {s['peak_rss_bytes'] / 1e6:.0f} MB",
              f"slice: {s['dst']} ({len(s['files'])} files, {s['bytes_total'] / 1e9:.2f} GB, "
              f"{s['config']['num_hidden_layers']} layers, {s['config']['n_routed_experts']} experts of "
              f"{max(s['expert_bytes'].values(), default=0) / 1e6:.1f} MB)",
@@ -702,7 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Write a synthetic GLM-5 slice (GLM-5's real widths, a few layers, random weights) "
                     "straight into colibri's quantized container.",
         epilog="example:\n"
-               "  python tools/make_glm5_slice.py /work/glm5-slice            # 1 dense + 3 MoE layers, ~16.6 GB\n"
+               "  python tools/make_glm5_slice.py /work/glm5-slice            # 1 dense + 3 MoE layers, 17.0 GB\n"
                "  python tools/make_glm5_slice.py /tmp/s --shrink 16 --mtp    # every width / 16: a few MB\n"
                "  python -m colibri run --model /work/glm5-slice \"def f(x):\" --max-tokens 8 --ram 8",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -711,7 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-layers", type=int, default=3, metavar="N", help="MoE layers after them (default 3)")
     ap.add_argument("--mtp", action="store_true",
                     help="add the MTP layer model.layers.{num_hidden_layers} (a MoE layer + eh_proj, enorm, "
-                         "hnorm, shared_head.norm; int8 by default: +9.7 GB at full width)")
+                         "hnorm, shared_head.norm; int8 by default: +10 GB at full width)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0); same seed, same bytes")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON instead of text")
     ap.add_argument("--shrink", type=int, default=1, metavar="N",
