@@ -65,9 +65,10 @@ import numpy as np
 from colibri import quant
 from colibri.config import parse_config
 from colibri.convert import (DEFAULT_BITS, MANIFEST_NAME, MANIFEST_VERSION, ConvertOptions, _bits_arg,
-                             _existing_output_ok, _fsync_dir, _manifest_bytes, _progress,
+                             _existing_output_ok, _manifest_bytes, _progress,
                              _write_bytes_atomic, classify, expected_shape, output_name)
 from colibri.st import ContainerError
+from colibri.usage import fsync_dir
 
 PROG = "make_glm5_slice.py"
 
@@ -486,7 +487,7 @@ def write_file(path: str, plan: FilePlan, seed: int, bar=None) -> None:
     if not ok:   # pragma: no cover - a bug in this writer
         raise ContainerError(why)
     os.replace(tmp, path)
-    _fsync_dir(d or ".")
+    fsync_dir(d or ".")
 
 
 # ---------------------------------------------------------------------------------------------
