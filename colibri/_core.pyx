@@ -976,9 +976,65 @@ cdef int cmp_int_asc(const void *a, const void *b) noexcept nogil:
     return (x > y) - (x < y)
 
 
+# A forward of more rows than this runs its attention, dense MLP, shared expert and each routed
+# expert's FFN in row chunks of this size (prefill of long prompts): the scratch stays bounded by
+# the chunk while each routed expert is still read once per layer (bit-identical to one batch).
+PREFILL_CHUNK = max(int(os.environ.get("COLIBRI_PREFILL_CHUNK", "256")), 32)
+
+
+def work_shapes(c, int S, int T, bint dsa, bint expanded, int nt, int chunk=0):
+    """The scratch of a forward of S rows over T keys: {name: (shape, numpy dtype)}. Work allocates
+    exactly this and the RAM plan (tiers.work_bytes_estimate) sums it: one formula for both.
+
+    Per forward row (S): the layer's normalized input n and MLP output out, the routing, the DSA
+    selection (shared layers reuse the rows of the last full layer). Per chunk
+    row (C = min(S, chunk)): attention and FFN activations. Per key (T): the expanded path's kv_b
+    rows and the attention / indexer scores of each thread."""
+    chunk = max(chunk, 32) if chunk else PREFILL_CHUNK
+    cdef int C = S if S <= chunk else chunk
+    inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)
+    widest = max(2 * c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter)   # 2D: eh_proj
+    # activation quantization: C rows of the widest input, or T rows of kv_lora (expanded kv_b);
+    # scales and block sums: one per 64 inputs at most (act_block is 0 or a multiple of 64)
+    act = max(C * widest, T * c.kv_lora if expanded else 0)
+    act_blocks = max(C * ((widest + 63) // 64), (T if expanded else 0) * ((c.kv_lora + 63) // 64))
+    f4, i4 = np.float32, np.int32
+    sh = {
+        "n": ((S, c.hidden), f4), "out": ((S, c.hidden), f4),                         # [S, D]
+        "rl": ((S, c.n_experts), f4), "rsel": ((S, c.topk), i4), "rw": ((S, c.topk), f4),
+        "upos": ((c.n_experts,), i4), "uniq": ((S * c.topk,), i4), "ustart": ((S * c.topk + 1,), i4),
+        "urow": ((S * c.topk,), i4), "uw": ((S * c.topk,), f4),
+        "a": ((C, c.hidden), f4), "xg": ((C, c.hidden), f4), "yg": ((C, c.hidden), f4),  # [C, D]
+        "qr": ((C, c.q_lora), f4), "q": ((C, c.n_heads * c.qk_head), f4),
+        "ckv": ((C, c.kv_lora + c.qk_rope), f4), "ctx": ((C, c.n_heads * c.v_head), f4),
+        "g": ((C * inter,), f4), "u": ((C * inter,), f4),     # flat: [C, width of the MLP at hand]
+        "kvb": ((T, c.n_heads * (c.qk_nope + c.v_head)) if expanded else (1, 1), f4),
+        "tbuf": ((nt, 2 * c.kv_lora + max(2 * T, c.qk_nope)), f4),
+        "xq": ((2 * act,), np.int8), "xs": ((2 * act_blocks,), f4), "xm": ((2 * act_blocks,), i4),
+        "xr": ((widest,), f4),
+    }
+    if dsa:
+        sh.update(ik=((C, c.index_hd), f4), iq=((C, c.index_nh * c.index_hd), f4), iw=((C, c.index_nh), f4),
+                  isc=((nt, 2 * T), f4), sel=((S, max(c.index_topk, 1)), i4), nsel=((S,), i4))
+    else:
+        # Every buffer is bound, even one this model never uses: reading an unbound typed
+        # memoryview (even to pass it along as an object) dereferences NULL. The paths that would
+        # use these check has_dsa first; a [1, 1] buffer keeps a stray use in bounds.
+        sh.update(ik=((1, 1), f4), iq=((1, 1), f4), iw=((1, 1), f4), isc=((1, 1), f4), sel=((1, 1), i4),
+                  nsel=((1,), i4))
+    return sh
+
+
+def work_bytes(c, int S, int T, bint dsa, bint expanded, int nt, int chunk=0):
+    """Bytes of work_shapes(...)."""
+    return sum(int(np.prod(shape)) * np.dtype(dt).itemsize
+               for shape, dt in work_shapes(c, S, T, dsa, expanded, nt, chunk).values())
+
+
 cdef class Work:
-    """Scratch buffers of one forward: S rows, T keys. Sized once, reused while they fit."""
-    cdef public int S, T, widest
+    """Scratch buffers of one forward: S rows (attention and FFNs in chunks of C), T keys. Sized
+    once, reused while they fit."""
+    cdef public int S, C, T, widest
     cdef public float[:, ::1] n, a, out, qr, q, ckv, ctx, xg, yg, rl, rw, kvb, tbuf, ik, iq, iw, isc
     cdef public float[::1] g, u, xs, xr, uw
     cdef public int8_t[::1] xq
@@ -986,41 +1042,13 @@ cdef class Work:
     cdef public int[:, ::1] sel, rsel
     cdef public int[::1] nsel, upos, uniq, ustart, urow
 
-    def __init__(self, c, int S, int T, bint dsa, bint expanded):
-        f = lambda *shape: np.zeros(shape, np.float32)
-        i32 = lambda *shape: np.zeros(shape, np.int32)
-        nt = max(coli_max_threads(), 1)
-        inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)
+    def __init__(self, c, int S, int T, bint dsa, bint expanded, int chunk=0):
+        shapes = work_shapes(c, S, T, dsa, expanded, max(coli_max_threads(), 1), chunk)
         self.S, self.T = S, T
-        # widest matmul input; the expanded kv_b matmul runs over T rows of kv_lora
-        self.widest = max(2 * c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter)   # 2D: eh_proj
-        rows = max(S, T) if expanded else S
-        self.n, self.a, self.out = f(S, c.hidden), f(S, c.hidden), f(S, c.hidden)
-        self.qr, self.q = f(S, c.q_lora), f(S, c.n_heads * c.qk_head)
-        self.ckv, self.ctx = f(S, c.kv_lora + c.qk_rope), f(S, c.n_heads * c.v_head)
-        self.g, self.u = f(S * inter), f(S * inter)            # flat: [S, width of the MLP at hand]
-        self.xg, self.yg = f(S, c.hidden), f(S, c.hidden)
-        self.rl = f(S, c.n_experts)
-        self.rsel, self.rw = i32(S, c.topk), f(S, c.topk)
-        self.upos, self.uniq = i32(c.n_experts), i32(S * c.topk)
-        self.ustart, self.urow, self.uw = i32(S * c.topk + 1), i32(S * c.topk), f(S * c.topk)
-        self.kvb = f(T, c.n_heads * (c.qk_nope + c.v_head)) if expanded else f(1, 1)
-        self.tbuf = f(nt, 2 * c.kv_lora + max(2 * T, c.qk_nope))
-        self.xq = np.zeros(2 * rows * self.widest, np.int8)
-        self.xs = f(2 * rows * self.widest)
-        self.xm = np.zeros(2 * rows * self.widest, np.int32)   # block sums of xq (layout of xs)
-        self.xr = f(self.widest)
-        if dsa:
-            self.ik, self.iq = f(S, c.index_hd), f(S, c.index_nh * c.index_hd)
-            self.iw, self.isc = f(S, c.index_nh), f(nt, 2 * T)
-            self.sel, self.nsel = i32(S, max(c.index_topk, 1)), i32(S)
-        else:
-            # Every buffer is bound, even one this model never uses: reading an unbound typed
-            # memoryview (even to pass it along as an object) dereferences NULL. The paths that
-            # would use these check has_dsa first; a [1, 1] buffer keeps a stray use in bounds.
-            self.ik, self.iq, self.iw, self.isc = f(1, 1), f(1, 1), f(1, 1), f(1, 1)
-            self.sel = i32(1, 1)
-            self.nsel = i32(1)
+        self.C = shapes["a"][0][0]
+        self.widest = shapes["xr"][0][0]
+        for name, (shape, dt) in shapes.items():
+            setattr(self, name, np.zeros(shape, dt))
 
 
 cdef class Model:
@@ -1064,6 +1092,7 @@ cdef class Model:
     cdef FfnScratch _fs
     cdef public bint fused                        # run MoE / dense MLP calls of <= FUSED_MAX_ROWS rows fused
     cdef public bint overlap                      # multiply present experts while the others are read
+    cdef public int prefill_chunk                 # rows of a forward's attention / FFN chunks (PREFILL_CHUNK)
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -1330,19 +1359,21 @@ cdef class Model:
     def _work(self, int S, int T):
         """Scratch buffers for a forward of S rows over T keys (kept while the sizes fit)."""
         cdef Work ws = self._ws
-        if ws is not None and S <= ws.S and T <= ws.T and coli_max_threads() <= ws.tbuf.shape[0]:
+        if ws is not None and S <= ws.S and T <= ws.T and coli_max_threads() <= ws.tbuf.shape[0] and \
+                ws.C == min(ws.S, max(self.prefill_chunk, 32)):
             return ws
         if ws is not None:
             S = max(S, ws.S)
             T = max(T, ws.T)
         T = max(T, self.max_t)          # size for the whole context at once: decode grows T by 1
-        ws = Work(self.cfg, S, T, self.has_dsa, self.absorb != 1)
+        ws = Work(self.cfg, S, T, self.has_dsa, self.absorb != 1, self.prefill_chunk)
         self._ws = ws
         return ws
 
     cdef int _mm(self, QT W, const float *x, int S, float *y, Work ws) except -1:
         """y[S, O] = x[S, I] · Wᵀ with the GIL released; the scratch must hold S rows of W's width."""
-        if 2 * <Py_ssize_t>S * W.c.I > ws.xq.shape[0] or W.c.I > ws.xr.shape[0]:
+        if 2 * <Py_ssize_t>S * W.c.I > ws.xq.shape[0] or W.c.I > ws.xr.shape[0] or \
+                2 * <Py_ssize_t>S * act_nblocks(W.c.I, self.act_block) > ws.xs.shape[0]:
             raise EngineError(f"matmul of {S} rows x {W.c.I} inputs exceeds the activation scratch "
                               f"({ws.xq.shape[0] // 2} values)")
         with nogil:
@@ -1366,7 +1397,8 @@ cdef class Model:
                 raise EngineError("matmul_many: matrices of one input width, integer formats, outputs that fit")
             cs[k] = &(<QT>Ws[k]).c
             ys[k] = &o[0, 0]
-        if 2 * <Py_ssize_t>S * cs[0].I > ws.xq.shape[0] or cs[0].I > ws.xr.shape[0]:
+        if 2 * <Py_ssize_t>S * cs[0].I > ws.xq.shape[0] or cs[0].I > ws.xr.shape[0] or \
+                2 * <Py_ssize_t>S * act_nblocks(cs[0].I, self.act_block) > ws.xs.shape[0]:
             raise EngineError(f"matmul of {S} rows x {cs[0].I} inputs exceeds the activation scratch")
         with nogil:
             matmul_many(cs, ys, nW, x, S, &ws.xq[0], &ws.xs[0], &ws.xr[0], self.act_block, self.idot,
@@ -1384,9 +1416,17 @@ cdef class Model:
         memset(&o[0], 0, E.I * sizeof(float))
         qt_addrow(E, tok, 1.0, &o[0])
 
-    def attention(self, Layer L, float[:, ::1] n, int S, int pos_base, float[:, ::1] out, Work ws):
-        """MLA attention with the compressed KV cache (spec §4.3). n [S, D] -> out [S, D]."""
+    def attention(self, Layer L, float[:, ::1] n, int S, int pos_base, float[:, ::1] out, Work ws,
+                  int path_rows=0, int kvb_from=0, int row0=0):
+        """MLA attention with the compressed KV cache (spec §4.3). n [S, D] -> out [S, D], S <= ws.C.
+        path_rows: the batch size that picks absorbed or expanded (default S; a chunk of a longer
+        forward passes the forward's, so every row computes the same function as in one batch).
+        kvb_from: the expanded path's kv_b rows below it are already in ws.kvb (earlier chunks);
+        row0: the chunk's first row in the forward, where its rows of the DSA selection (ws.sel,
+        which shared layers reuse) live."""
         c = self.cfg
+        if S > ws.C:
+            raise EngineError(f"attention of {S} rows exceeds the scratch's chunk of {ws.C} rows")
         cdef int H = c.n_heads, dn = c.qk_nope, dr = c.qk_rope, dv = c.v_head, dq = c.qk_head
         cdef int Lq = c.q_lora, Lkv = c.kv_lora, T = pos_base + S
         cdef int s, h, pos
@@ -1425,12 +1465,14 @@ cdef class Model:
         if k0 < 0 or k0 > pos_base:
             raise EngineError(f"layer {L.index}: KV window starts at {k0}, after position {pos_base}")
         if sparse and L.idx_full:
-            self._dsa_select(L, n, S, pos_base, ws, together)
-        cdef int *sel = &ws.sel[0, 0] if sparse else NULL
-        cdef int *nsel = &ws.nsel[0] if sparse else NULL
+            self._dsa_select(L, n, S, pos_base, ws, together, row0)
+        if sparse and row0 + S > ws.sel.shape[0]:
+            raise EngineError(f"DSA selection rows {row0}..{row0 + S - 1} exceed the scratch")
+        cdef int *sel = &ws.sel[row0, 0] if sparse else NULL
+        cdef int *nsel = &ws.nsel[row0] if sparse else NULL
         cdef int topk = ws.sel.shape[1]
         # Step 3: attention, absorbed (latent space) or expanded (kv_b applied to every cached row).
-        cdef bint absorbed = self.absorb == 1 or (self.absorb == -1 and S <= ABSORB_MAX_ROWS)
+        cdef bint absorbed = self.absorb == 1 or (self.absorb == -1 and (path_rows or S) <= ABSORB_MAX_ROWS)
         cdef float[:, ::1] tbuf = ws.tbuf, kvb
         cdef float scale = c.attn_scale
         cdef QTc *kv_b = &L.kv_b.c
@@ -1445,9 +1487,9 @@ cdef class Model:
                                     &tbuf[threadid(), 0], &ctx[s // H, 0])
         else:
             kvb = ws.kvb
-            if kvb.shape[0] < T:
+            if kvb.shape[0] < T or not 0 <= kvb_from < T:
                 raise EngineError("expanded attention scratch too small")
-            self._mm(L.kv_b, &Lc[0, 0], T, &kvb[0, 0], ws)
+            self._mm(L.kv_b, &Lc[kvb_from, 0], T - kvb_from, &kvb[kvb_from, 0], ws)
             with nogil:
                 for s in prange(S * H, schedule='static', num_threads=nta):
                     attend_expanded(&q[s // H, 0], &kvb[0, 0], &Rc[0, 0],
@@ -1467,6 +1509,8 @@ cdef class Model:
         cdef float[:, ::1] ckv = ws.ckv
         cdef float[:, ::1] Lc = self.Lc[L.index], Rc = self.Rc[L.index]
         cdef float[::1] kv_ln = L.kv_a_ln, inv = self.inv_freq
+        if S > ckv.shape[0] or pos_base < 0 or pos_base + S > Lc.shape[0]:
+            raise EngineError(f"KV rows {pos_base}..{pos_base + S - 1} exceed the scratch or the cache")
         if not projected:
             self._mm(L.kv_a, &n[0, 0], S, &ckv[0, 0], ws)
         with nogil:
@@ -1476,7 +1520,8 @@ cdef class Model:
                 memcpy(&Rc[pos, 0], &ckv[s, Lkv], dr * sizeof(float))
                 rope_interleave(&Rc[pos, 0], dr, pos, &inv[0])
 
-    def _dsa_select(self, Layer L, float[:, ::1] n, int S, int pos_base, Work ws, bint projected=False):
+    def _dsa_select(self, Layer L, float[:, ::1] n, int S, int pos_base, Work ws, bint projected=False,
+                    int row0=0):
         """Lightning indexer of a full layer: write this batch's indexer keys, then per query keep
         the index_topk keys of highest score Σ_h w_h·relu(q_h·k_t / √hd), w = weights_proj(n)/√nh
         (q from the q_a_layernorm output). A query whose causal context fits in index_topk keeps
@@ -1487,8 +1532,8 @@ cdef class Model:
         cdef float[:, ::1] ik = ws.ik, iq = ws.iq, iw = ws.iw, isc = ws.isc, qr = ws.qr
         cdef float[:, ::1] Ic = self.Ic[L.index]
         cdef float[::1] kw = L.ik_w, kb = L.ik_b, inv = self.inv_freq
-        cdef int[:, ::1] sel = ws.sel
-        cdef int[::1] nsel = ws.nsel
+        cdef int[:, ::1] sel = ws.sel[row0:]            # this chunk's rows of the forward's selection
+        cdef int[::1] nsel = ws.nsel[row0:]
         cdef bint force = self.dsa_force
         cdef float eps = INDEXER_NORM_EPS
         cdef float qscale = 1.0 / sqrt(hd), wscale = 1.0 / sqrt(nh)
@@ -1524,7 +1569,13 @@ cdef class Model:
                     memset(&out[s, 0], 0, out.shape[1] * sizeof(float))
             self._ffn_fused([(L.gate, L.up, L.down, 0, S)], n, S, out, None)
             return
-        self._ffn(L.gate, L.up, L.down, &n[0, 0], S, &out[0, 0], ws)
+        self._ffn_rows(L.gate, L.up, L.down, n, 0, S, out, ws)
+
+    def _ffn_rows(self, QT gate, QT up, QT down, float[:, ::1] x, int r0, int nr, float[:, ::1] out, Work ws):
+        """out[r0:r0+nr] = FFN(x[r0:r0+nr]), ws.C rows at a time (rows are independent)."""
+        cdef int c0
+        for c0 in range(r0, r0 + nr, ws.C):
+            self._ffn(gate, up, down, &x[c0, 0], min(ws.C, r0 + nr - c0), &out[c0, 0], ws)
 
     def _fusable(self, int S, ffns):
         if not self.fused or S > FUSED_MAX_ROWS:
@@ -1629,7 +1680,8 @@ cdef class Model:
         cdef float[::1] uw = ws.uw, bias = L.router_bias
         cdef float rs = c.routed_scale
         cdef bint norm = c.norm_topk
-        self._mm(L.router, &n[0, 0], S, &rl[0, 0], ws)
+        for s in range(0, S, ws.C):                       # the router's input rows, ws.C at a time
+            self._mm(L.router, &n[s, 0], min(ws.C, S - s), &rl[s, 0], ws)
         with nogil:
             for s in range(S):
                 if route_row(&rl[s, 0], &bias[0], E, K, norm, rs, &rsel[s, 0], &rw[s, 0]) != 0:
@@ -1673,26 +1725,30 @@ cdef class Model:
             self._ffn_fused(jobs, n, S, out, True)
             self.t_moe += time.perf_counter() - t0
             return
+        cdef int j0, jn, C = ws.C
         for u in range(nu):
             X = experts[u]
-            nr = ustart[u + 1] - ustart[u]
-            with nogil:
-                for j in range(nr):
-                    memcpy(&xg[j, 0], &n[urow[ustart[u] + j], 0], D * sizeof(float))
-            self._ffn(X.gate, X.up, X.down, &xg[0, 0], nr, &yg[0, 0], ws)
-            with nogil:
-                for j in range(nr):
-                    r = urow[ustart[u] + j]
-                    for i in range(D):
-                        out[r, i] += uw[ustart[u] + j] * yg[j, i]
+            for j0 in range(ustart[u], ustart[u + 1], C):      # its rows, C at a time
+                jn = min(C, ustart[u + 1] - j0)
+                with nogil:
+                    for j in range(jn):
+                        memcpy(&xg[j, 0], &n[urow[j0 + j], 0], D * sizeof(float))
+                self._ffn(X.gate, X.up, X.down, &xg[0, 0], jn, &yg[0, 0], ws)
+                with nogil:
+                    for j in range(jn):
+                        r = urow[j0 + j]
+                        for i in range(D):
+                            out[r, i] += uw[j0 + j] * yg[j, i]
         self.t_moe += time.perf_counter() - t0
         if L.gate is not None:
             # Shared expert, added after every routed contribution (HF: experts(x) + shared(x)).
-            self._ffn(L.gate, L.up, L.down, &n[0, 0], S, &yg[0, 0], ws)
-            with nogil:
-                for s in range(S):
-                    for i in range(D):
-                        out[s, i] += yg[s, i]
+            for j0 in range(0, S, C):
+                jn = min(C, S - j0)
+                self._ffn(L.gate, L.up, L.down, &n[j0, 0], jn, &yg[0, 0], ws)
+                with nogil:
+                    for s in range(jn):
+                        for i in range(D):
+                            out[j0 + s, i] += yg[s, i]
 
     def _moe_overlapped(self, Layer L, fetch, float[:, ::1] n, int S, float[:, ::1] out, Work ws, int nu):
         """The fused MoE call while some of its experts are still being read (spec §7.5): the
@@ -1753,22 +1809,29 @@ cdef class Model:
         return jobs, p
 
     def layer_forward(self, Layer L, float[:, ::1] x, int S, int pos_base):
-        """x[S, D] += attention(norm(x)); x += mlp(norm(x)) (spec §4.2)."""
+        """x[S, D] += attention(norm(x)); x += mlp(norm(x)) (spec §4.2). Attention takes the rows
+        ws.C at a time (a chunk's KV rows are written before its queries attend, and the expanded
+        path keeps the kv_b rows of earlier chunks), the MLP all S rows (each routed expert read
+        once), so the result is the same as one batch."""
         cdef Work ws = self._work(S, pos_base + S)
         cdef float[:, ::1] n = ws.n, a = ws.a, f = ws.out
         cdef float[::1] w1 = L.in_ln, w2 = L.post_ln
-        cdef int s, i, D = self.cfg.hidden
+        cdef int s, i, c0, sc, D = self.cfg.hidden
         cdef float eps = self.cfg.eps
-        with nogil:
-            for s in range(S):
-                rmsnorm_row(&n[s, 0], &x[s, 0], &w1[0], D, eps)
         t0 = time.perf_counter()
-        self.attention(L, n, S, pos_base, a, ws)
+        for c0 in range(0, S, ws.C):
+            sc = min(ws.C, S - c0)
+            with nogil:
+                for s in range(sc):
+                    rmsnorm_row(&n[s, 0], &x[c0 + s, 0], &w1[0], D, eps)
+            self.attention(L, n, sc, pos_base + c0, a, ws, S, 0 if c0 == 0 else pos_base + c0, c0)
+            with nogil:
+                for s in range(sc):
+                    for i in range(D):
+                        x[c0 + s, i] += a[s, i]
         self.t_attn += time.perf_counter() - t0
         with nogil:
             for s in range(S):
-                for i in range(D):
-                    x[s, i] += a[s, i]
                 rmsnorm_row(&n[s, 0], &x[s, 0], &w2[0], D, eps)
         if self.pilot and S <= PILOT_MAX_ROWS and L.index + 1 < self.cfg.n_layers \
                 and self.layers[L.index + 1].sparse:
@@ -1969,7 +2032,8 @@ cdef class Model:
         # the attention core, o_proj and the MoE (glm.c runs the whole layer; the KV is identical).
         cdef Work ws = self._work(S, pos_base + S)
         n = rmsnorm(hx, self.mtp.in_ln, c.eps)
-        self.kv_write(self.mtp, n, S, pos_base, ws)
+        for i in range(0, S, ws.C):
+            self.kv_write(self.mtp, n[i:i + ws.C], min(ws.C, S - i), pos_base + i, ws)
         self.mtp_next = pos_base + S
 
     def spec_decode(self, ids, int kv, int n_new, logits, Sampler sampler, policy=None, stops=(), emit=None,
@@ -2390,6 +2454,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.absorb = absorb
     m.fused = os.environ.get("COLIBRI_FUSED", "1") != "0"
     m.overlap = os.environ.get("COLIBRI_OVERLAP", "1") != "0"     # 0: for A/B measurements
+    m.prefill_chunk = PREFILL_CHUNK
     m.dsa_force = dsa_force
     m.dense_bits = dense_bits
     m.expert_bits = expert_bits

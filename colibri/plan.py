@@ -74,10 +74,10 @@ def kv_bytes(cfg, ctx: int, has_dsa: bool, has_mtp: bool) -> int:
     return per_pos * int(ctx)
 
 
-def work_bytes(cfg, ctx: int) -> int:
+def work_bytes(cfg, ctx: int, has_dsa: bool) -> int:
     """``tiers.work_bytes_estimate`` (it reads only the config)."""
     from .tiers import work_bytes_estimate
-    return work_bytes_estimate(SimpleNamespace(cfg=cfg), ctx)
+    return work_bytes_estimate(SimpleNamespace(cfg=cfg, has_dsa=has_dsa), ctx)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,7 +413,7 @@ def _report(st, cfg, model_dir, dense_bits, expert_bits, ctx) -> dict:
         "ctx": ctx,
         "kv_bytes": kv_bytes(cfg, ctx, has_dsa, has_mtp),
         "kv_bytes_per_position": kv_bytes(cfg, 1, has_dsa, has_mtp),
-        "work_bytes": work_bytes(cfg, ctx),
+        "work_bytes": work_bytes(cfg, ctx, has_dsa),
         "per_token": {"hit_rate_assumed": 0.0, "disk_bytes_cold": cold, "disk_bytes_uniform": None,
                       "mtp_draft_disk_bytes": cfg.topk * mtp_row["expert_disk_bytes"] if mtp_row else 0,
                       "resident_bytes_touched": touched,

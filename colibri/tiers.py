@@ -62,21 +62,21 @@ def _float_matrix_bytes(O: int, I: int, bits: int) -> int:
 
 
 def work_bytes_estimate(model, ctx: int) -> int:
-    """Scratch of a forward sized for the context (decode/verify rows and one prompt batch):
-    activations, attention scores, logits and the fused FFN group's buffers."""
+    """Scratch of forwards in a context of ctx positions: the engine's Work buffers for a prompt
+    as long as the context (``_core.work_bytes``, the formula Work allocates by), the forward's
+    residual rows and their copy (2 x [ctx, D]), a verify batch's logits and the fused FFN
+    group's buffers. ``model`` needs ``cfg`` and ``has_dsa``."""
+    from . import _core
     c = model.cfg
-    S = 17                                     # verify batches (1 + up to 16 drafts)
+    ctx = max(int(ctx), 1)
+    S = _core.ABSORB_MAX_ROWS                  # verify batches (1 + up to 16 drafts)
     inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)
-    width = max(2 * c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter)
-    rows = max(S, ctx)
-    floats = (S * (6 * c.hidden + c.q_lora + c.n_heads * c.qk_head + 2 * inter + c.n_experts)
-              + 2 * ctx                        # attention scores per thread
-              + rows * c.n_heads * (c.qk_nope + c.v_head)   # expanded kv_b rows of a prompt
-              + 3 * rows * width               # activation quantization
-              + S * c.vocab)                   # logits of a verify batch
+    work = _core.work_bytes(c, max(S, ctx), ctx, bool(getattr(model, "has_dsa", True)), True,
+                            max(_core.max_threads(), 1))
+    floats = 2 * ctx * c.hidden + S * c.vocab
     pairs = S * (c.topk + 1)
     ffn = pairs * (5 * c.hidden + 6 * inter)
-    return int(4 * floats + 4 * ffn)
+    return int(work + 4 * floats + 4 * ffn)
 
 
 def current_rss_bytes() -> int:
