@@ -922,6 +922,9 @@ class EngineError(RuntimeError):
 ABSORB_MAX_ROWS = 17
 # Router lookahead runs for forwards of up to this many rows (decode and small verify batches).
 PILOT_MAX_ROWS = 8
+# A long batch's routed experts are read this many at a time, the next group while one is
+# multiplied: 2 · 8 = the 16 experts beyond capacity the RAM plan allows a call (budget.py).
+STREAM_GROUP = 8
 cdef enum:
     DIRECT_ALIGN = 4096     # O_DIRECT: offsets, sizes and buffers aligned to this (logical block size)
 
@@ -1093,6 +1096,7 @@ cdef class Model:
     cdef public bint fused                        # run MoE / dense MLP calls of <= FUSED_MAX_ROWS rows fused
     cdef public bint overlap                      # multiply present experts while the others are read
     cdef public int prefill_chunk                 # rows of a forward's attention / FFN chunks (PREFILL_CHUNK)
+    cdef public int stream_group                  # experts a long batch reads at a time (STREAM_GROUP)
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -1697,6 +1701,9 @@ cdef class Model:
         if self.trace is not None:
             self.trace.append((self.forwards, L.index, S, [uniq[u] for u in range(nu)]))
         # Each unique expert once, in ascending id: gather its rows, FFN, scatter-add.
+        if S > FUSED_MAX_ROWS:
+            self._moe_streamed(L, n, S, out, ws, nu)
+            return
         cdef Expert X
         cdef int nr
         t0 = time.perf_counter()
@@ -1725,9 +1732,20 @@ cdef class Model:
             self._ffn_fused(jobs, n, S, out, True)
             self.t_moe += time.perf_counter() - t0
             return
-        cdef int j0, jn, C = ws.C
-        for u in range(nu):
-            X = experts[u]
+        self._expert_ffns(experts, 0, n, out, ws)
+        self.t_moe += time.perf_counter() - t0
+        self._shared_ffn(L, n, S, out, ws)
+
+    def _expert_ffns(self, experts, int u0, float[:, ::1] n, float[:, ::1] out, Work ws):
+        """out[r] += w · FFN_u(n[r]) for the batch-union experts u0, u0+1, ... (experts[k] is unit
+        u0 + k), each on its rows ws.C at a time."""
+        cdef float[:, ::1] xg = ws.xg, yg = ws.yg
+        cdef int[::1] ustart = ws.ustart, urow = ws.urow
+        cdef float[::1] uw = ws.uw
+        cdef int u, j, j0, jn, r, i, C = ws.C, D = self.cfg.hidden
+        cdef Expert X
+        for u in range(u0, u0 + len(experts)):
+            X = experts[u - u0]
             for j0 in range(ustart[u], ustart[u + 1], C):      # its rows, C at a time
                 jn = min(C, ustart[u + 1] - j0)
                 with nogil:
@@ -1739,7 +1757,39 @@ cdef class Model:
                         r = urow[j0 + j]
                         for i in range(D):
                             out[r, i] += uw[j0 + j] * yg[j, i]
-        self.t_moe += time.perf_counter() - t0
+
+    def _moe_streamed(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, Work ws, int nu):
+        """The routed experts of a long batch (prefill), which may need every expert of the
+        layer: read stream_group (STREAM_GROUP) of them at a time, the next group while this one
+        is multiplied, so the call holds at most 2 · STREAM_GROUP experts beyond the cache (the
+        RAM plan's call allowance) and each expert is read once. Same order of sums as one group."""
+        cdef int[::1] uniq = ws.uniq
+        cdef int g0, G = max(self.stream_group, 1)
+        ids = [uniq[u] for u in range(nu)]
+        t0 = time.perf_counter()
+        fetch = self.cache.fetch(L.index, ids[:G])
+        self.t_disk += time.perf_counter() - t0
+        try:
+            for g0 in range(0, nu, G):
+                t0 = time.perf_counter()
+                experts = fetch.wait()
+                self.t_disk += time.perf_counter() - t0
+                fetch = self.cache.fetch(L.index, ids[g0 + G:g0 + 2 * G]) if g0 + G < nu else None
+                t0 = time.perf_counter()
+                self._expert_ffns(experts, g0, n, out, ws)
+                self.t_moe += time.perf_counter() - t0
+        finally:
+            if fetch is not None:
+                try:
+                    fetch.wait()          # release the next group's experts
+                except Exception:
+                    pass
+        self._shared_ffn(L, n, S, out, ws)
+
+    def _shared_ffn(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, Work ws):
+        """out += shared expert(n), ws.C rows at a time, after every routed contribution."""
+        cdef float[:, ::1] yg = ws.yg
+        cdef int j0, jn, s, i, C = ws.C, D = self.cfg.hidden
         if L.gate is not None:
             # Shared expert, added after every routed contribution (HF: experts(x) + shared(x)).
             for j0 in range(0, S, C):
@@ -2455,6 +2505,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.fused = os.environ.get("COLIBRI_FUSED", "1") != "0"
     m.overlap = os.environ.get("COLIBRI_OVERLAP", "1") != "0"     # 0: for A/B measurements
     m.prefill_chunk = PREFILL_CHUNK
+    m.stream_group = STREAM_GROUP
     m.dsa_force = dsa_force
     m.dense_bits = dense_bits
     m.expert_bits = expert_bits

@@ -18,7 +18,10 @@ def _forward(path, chunk, ids, **kw):
     m.prefill_chunk = chunk
     m.kv_alloc(len(ids) + 8)
     m.mtp_absorb_prefill = m.has_mtp
+    m.trace = []
     logits = m.step_all(ids, 0)
+    # every routed expert the prompt needs was read once per layer (the cache holds fewer)
+    assert m.expert_misses == sum(len(e) for _, layer, _, e in m.trace if layer < m.cfg.n_layers)
     after = m.step([ids[0]], len(ids))          # decode on the KV the chunks wrote
     return m, logits, after
 
@@ -42,8 +45,6 @@ def test_chunked_forward_is_bit_identical(model, absorb, int4):
     np.testing.assert_array_equal(da, db)
     for i in range(len(a.Lc)):
         np.testing.assert_array_equal(a.Lc[i], b.Lc[i])
-    # each routed expert was read once per layer either way
-    assert a.expert_misses == b.expert_misses
 
 
 def test_plan_counts_the_scratch_the_engine_allocates():
@@ -71,3 +72,31 @@ def test_long_prompt_scratch_is_bounded_by_the_chunk():
     whole = _core.work_bytes(cfg, 6000, 6000, True, True, 2, 6000)
     assert chunked < 1.4e9 < 2.5 * chunked < whole
     assert tiers.work_bytes_estimate(SimpleNamespace(cfg=cfg, has_dsa=True), 6000) < 2.0e9
+
+
+def test_long_batch_holds_few_experts_at_once(tmp_path):
+    """A prefill whose batch needs every expert of a layer reads them a group at a time: the
+    experts a call protects never exceed two groups (the RAM plan allows 2 x STREAM_GROUP)."""
+    from colibri.budget import EXTRA_CALL_EXPERTS
+    from colibri.cache import ExpertCache
+    from colibri.models import default_model_dir
+    m = model_init(default_model_dir(), cache_experts=1, prefetch=False)      # 16 experts per layer
+    m.stream_group = 3
+    cache = m.cache
+    seen = []
+    orig = ExpertCache.fetch
+
+    def fetch(layer, eids, inline=False):
+        f = orig(cache, layer, eids, inline)
+        seen.append(len(cache._busy[layer]))
+        return f
+
+    cache.fetch = fetch
+    ids = _prompt(200, m.cfg.vocab)
+    m.kv_alloc(len(ids))
+    m.trace = []
+    m.step(ids, 0)
+    union = max(len(e) for _, _, _, e in m.trace)
+    assert union == m.cfg.n_experts > 2 * m.stream_group      # the batch needs every expert ...
+    assert 0 < max(seen) <= 2 * m.stream_group                # ... but holds at most two groups
+    assert 2 * _core.STREAM_GROUP <= EXTRA_CALL_EXPERTS
