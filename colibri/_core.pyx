@@ -918,8 +918,14 @@ class EngineError(RuntimeError):
 
 
 # absorb = auto: batches up to this many rows (decode, and a verify of 1 + up to 16 drafts) use the
-# absorbed path, longer ones (prefill) the expanded one, so decode and verify compute the same function.
+# absorbed path, so decode and verify compute the same function; longer ones (prefill) the expanded
+# one while its kv_b rows stay small. Past ABSORB_KV_BYTES of kv_b rows (64 heads x 448 floats a key
+# at GLM-5's widths: ~146 keys), or when the DSA selection runs, they are absorbed too: every
+# (row, head) of the expanded path streams its keys' rows of kv_b from memory, while the absorbed
+# one reads the latent rows all heads share (GLM-5 slice, 2 threads: 10 vs 17 ms a row and layer
+# at ~1500 keys, 9 vs 35 with DSA's 2048 selected keys).
 ABSORB_MAX_ROWS = 17
+ABSORB_KV_BYTES = 16 << 20
 # Router lookahead runs for forwards of up to this many rows (decode and small verify batches).
 PILOT_MAX_ROWS = 8
 # A long batch's routed experts are read this many at a time, the next group while one is
@@ -985,22 +991,31 @@ cdef int cmp_int_asc(const void *a, const void *b) noexcept nogil:
 PREFILL_CHUNK = max(int(os.environ.get("COLIBRI_PREFILL_CHUNK", "256")), 32)
 
 
-def work_shapes(c, int S, int T, bint dsa, bint expanded, int nt, int chunk=0):
+def expanded_key_rows(c, int T, int absorb):
+    """kv_b rows the expanded attention path may need in a context of T keys (see ABSORB_KV_BYTES)."""
+    if absorb == 1:
+        return 0
+    if absorb == 0:
+        return T
+    return min(T, max(ABSORB_KV_BYTES // (4 * c.n_heads * (c.qk_nope + c.v_head)), 1))
+
+
+def work_shapes(c, int S, int T, bint dsa, int kvb_rows, int nt, int chunk=0):
     """The scratch of a forward of S rows over T keys: {name: (shape, numpy dtype)}. Work allocates
     exactly this and the RAM plan (tiers.work_bytes_estimate) sums it: one formula for both.
 
     Per forward row (S): the layer's normalized input n and MLP output out, the routing, the DSA
     selection (shared layers reuse the rows of the last full layer). Per chunk
-    row (C = min(S, chunk)): attention and FFN activations. Per key (T): the expanded path's kv_b
-    rows and the attention / indexer scores of each thread."""
+    row (C = min(S, chunk)): attention and FFN activations. Per key (T): the attention / indexer
+    scores of each thread; the expanded path's kv_b rows (kvb_rows of them, expanded_key_rows)."""
     chunk = max(chunk, 32) if chunk else PREFILL_CHUNK
     cdef int C = S if S <= chunk else chunk
     inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)
     widest = max(2 * c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter)   # 2D: eh_proj
     # activation quantization: C rows of the widest input, or T rows of kv_lora (expanded kv_b);
     # scales and block sums: one per 64 inputs at most (act_block is 0 or a multiple of 64)
-    act = max(C * widest, T * c.kv_lora if expanded else 0)
-    act_blocks = max(C * ((widest + 63) // 64), (T if expanded else 0) * ((c.kv_lora + 63) // 64))
+    act = max(C * widest, kvb_rows * c.kv_lora)
+    act_blocks = max(C * ((widest + 63) // 64), kvb_rows * ((c.kv_lora + 63) // 64))
     f4, i4 = np.float32, np.int32
     sh = {
         "n": ((S, c.hidden), f4), "out": ((S, c.hidden), f4),                         # [S, D]
@@ -1011,7 +1026,7 @@ def work_shapes(c, int S, int T, bint dsa, bint expanded, int nt, int chunk=0):
         "qr": ((C, c.q_lora), f4), "q": ((C, c.n_heads * c.qk_head), f4),
         "ckv": ((C, c.kv_lora + c.qk_rope), f4), "ctx": ((C, c.n_heads * c.v_head), f4),
         "g": ((C * inter,), f4), "u": ((C * inter,), f4),     # flat: [C, width of the MLP at hand]
-        "kvb": ((T, c.n_heads * (c.qk_nope + c.v_head)) if expanded else (1, 1), f4),
+        "kvb": ((max(kvb_rows, 1), c.n_heads * (c.qk_nope + c.v_head)), f4),
         "tbuf": ((nt, 2 * c.kv_lora + max(2 * T, c.qk_nope)), f4),
         "xq": ((2 * act,), np.int8), "xs": ((2 * act_blocks,), f4), "xm": ((2 * act_blocks,), i4),
         "xr": ((widest,), f4),
@@ -1028,10 +1043,10 @@ def work_shapes(c, int S, int T, bint dsa, bint expanded, int nt, int chunk=0):
     return sh
 
 
-def work_bytes(c, int S, int T, bint dsa, bint expanded, int nt, int chunk=0):
+def work_bytes(c, int S, int T, bint dsa, int kvb_rows, int nt, int chunk=0):
     """Bytes of work_shapes(...)."""
     return sum(int(np.prod(shape)) * np.dtype(dt).itemsize
-               for shape, dt in work_shapes(c, S, T, dsa, expanded, nt, chunk).values())
+               for shape, dt in work_shapes(c, S, T, dsa, kvb_rows, nt, chunk).values())
 
 
 cdef class Work:
@@ -1045,8 +1060,8 @@ cdef class Work:
     cdef public int[:, ::1] sel, rsel
     cdef public int[::1] nsel, upos, uniq, ustart, urow
 
-    def __init__(self, c, int S, int T, bint dsa, bint expanded, int chunk=0):
-        shapes = work_shapes(c, S, T, dsa, expanded, max(coli_max_threads(), 1), chunk)
+    def __init__(self, c, int S, int T, bint dsa, int kvb_rows, int chunk=0):
+        shapes = work_shapes(c, S, T, dsa, kvb_rows, max(coli_max_threads(), 1), chunk)
         self.S, self.T = S, T
         self.C = shapes["a"][0][0]
         self.widest = shapes["xr"][0][0]
@@ -1370,7 +1385,7 @@ cdef class Model:
             S = max(S, ws.S)
             T = max(T, ws.T)
         T = max(T, self.max_t)          # size for the whole context at once: decode grows T by 1
-        ws = Work(self.cfg, S, T, self.has_dsa, self.absorb != 1, self.prefill_chunk)
+        ws = Work(self.cfg, S, T, self.has_dsa, expanded_key_rows(self.cfg, T, self.absorb), self.prefill_chunk)
         self._ws = ws
         return ws
 
@@ -1421,10 +1436,10 @@ cdef class Model:
         qt_addrow(E, tok, 1.0, &o[0])
 
     def attention(self, Layer L, float[:, ::1] n, int S, int pos_base, float[:, ::1] out, Work ws,
-                  int path_rows=0, int kvb_from=0, int row0=0):
+                  int path=-1, int kvb_from=0, int row0=0):
         """MLA attention with the compressed KV cache (spec §4.3). n [S, D] -> out [S, D], S <= ws.C.
-        path_rows: the batch size that picks absorbed or expanded (default S; a chunk of a longer
-        forward passes the forward's, so every row computes the same function as in one batch).
+        path: 1 absorbed, 0 expanded, -1 decided here (absorbed_path); a chunk of a longer forward
+        gets the forward's, so every row computes the same function as in one batch.
         kvb_from: the expanded path's kv_b rows below it are already in ws.kvb (earlier chunks);
         row0: the chunk's first row in the forward, where its rows of the DSA selection (ws.sel,
         which shared layers reuse) live."""
@@ -1476,7 +1491,7 @@ cdef class Model:
         cdef int *nsel = &ws.nsel[row0] if sparse else NULL
         cdef int topk = ws.sel.shape[1]
         # Step 3: attention, absorbed (latent space) or expanded (kv_b applied to every cached row).
-        cdef bint absorbed = self.absorb == 1 or (self.absorb == -1 and (path_rows or S) <= ABSORB_MAX_ROWS)
+        cdef bint absorbed = self.absorbed_path(S, T) if path < 0 else path == 1
         cdef float[:, ::1] tbuf = ws.tbuf, kvb
         cdef float scale = c.attn_scale
         cdef QTc *kv_b = &L.kv_b.c
@@ -1502,6 +1517,15 @@ cdef class Model:
                                     pos_base + s // H, s % H, H, dn, dr, dv, scale,
                                     &tbuf[threadid(), 0], &ctx[s // H, 0])
         self._mm(L.o_proj, &ctx[0, 0], S, &out[0, 0], ws)
+
+    def absorbed_path(self, int S, int T):
+        """Does a forward of S rows ending at T keys attend in the latent space? (--absorb; auto:
+        see ABSORB_MAX_ROWS and ABSORB_KV_BYTES)."""
+        c = self.cfg
+        if self.absorb >= 0:
+            return self.absorb == 1
+        return (S <= ABSORB_MAX_ROWS or T > expanded_key_rows(c, T, -1)
+                or (self.has_dsa and T > c.index_topk))
 
     def kv_write(self, Layer L, float[:, ::1] n, int S, int pos_base, Work ws, bint projected=False):
         """The compressed KV rows of positions pos_base..pos_base+S-1 from the normalized layer
@@ -1874,7 +1898,8 @@ cdef class Model:
             with nogil:
                 for s in range(sc):
                     rmsnorm_row(&n[s, 0], &x[c0 + s, 0], &w1[0], D, eps)
-            self.attention(L, n, sc, pos_base + c0, a, ws, S, 0 if c0 == 0 else pos_base + c0, c0)
+            self.attention(L, n, sc, pos_base + c0, a, ws, self.absorbed_path(S, pos_base + S),
+                           0 if c0 == 0 else pos_base + c0, c0)
             with nogil:
                 for s in range(sc):
                     for i in range(D):
@@ -2467,7 +2492,8 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
         residual (default, near-float accuracy), 1 = plain per-block Q8 activations (colibrì's IDOT,
         fastest), 0 = float dequant-on-use dots.
     act_block: activation quantization block (0 = one scale per row, else a multiple of 64).
-    absorb: -1 auto (absorbed attention for batches of <= 17 rows: decode and verify), 0 never, 1 always.
+    absorb: -1 auto (absorbed attention for batches of <= 17 rows, decode and verify, and for longer
+        ones past ABSORB_KV_BYTES of kv_b rows or when the DSA selection runs), 0 never, 1 always.
     io_threads: readers that load the missing experts of one MoE call concurrently.
     prefetch: router-lookahead prefetch of the next layer's experts (only when experts stream).
     direct: read expert payloads with O_DIRECT (bypassing the OS page cache).

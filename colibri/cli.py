@@ -25,7 +25,9 @@ def _engine_options(p: argparse.ArgumentParser):
                    help="activation quantization block for integer dots: 0 = one scale per row "
                         "(default), or a multiple of 64")
     g.add_argument("--absorb", choices=("auto", "always", "never"), default="auto",
-                   help="absorbed MLA attention: auto = for batches of <= 17 rows, i.e. decode and speculative verify (default)")
+                   help="absorbed MLA attention (latent space): auto = decode and speculative verify (<= 17 rows), "
+                        "and prefill once the expanded path's kv_b rows pass 16 MB or the DSA selection runs "
+                        "(default)")
     g.add_argument("--dsa-force", action="store_true",
                    help="run the DSA top-k selection even when the context fits in index_topk")
     g.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: all cores)")

@@ -71,7 +71,8 @@ def work_bytes_estimate(model, ctx: int) -> int:
     ctx = max(int(ctx), 1)
     S = _core.ABSORB_MAX_ROWS                  # verify batches (1 + up to 16 drafts)
     inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)
-    work = _core.work_bytes(c, max(S, ctx), ctx, bool(getattr(model, "has_dsa", True)), True,
+    kvb_rows = _core.expanded_key_rows(c, ctx, int(getattr(model, "absorb", -1)))
+    work = _core.work_bytes(c, max(S, ctx), ctx, bool(getattr(model, "has_dsa", True)), kvb_rows,
                             max(_core.max_threads(), 1))
     floats = 2 * ctx * c.hidden + S * c.vocab
     pairs = S * (c.topk + 1)

@@ -53,14 +53,15 @@ def test_plan_counts_the_scratch_the_engine_allocates():
     m.kv_alloc(ctx)
     m.step(_prompt(ctx, 256), 0)
     ws = m._work(1, 1)
-    held = sum(np.asarray(getattr(ws, k)).nbytes for k in _core.work_shapes(m.cfg, 1, 1, True, True, 1))
-    assert held == _core.work_bytes(m.cfg, ctx, ctx, True, True, _core.max_threads())
+    held = sum(np.asarray(getattr(ws, k)).nbytes for k in _core.work_shapes(m.cfg, 1, 1, True, 1, 1))
+    assert held == _core.work_bytes(m.cfg, ctx, ctx, True, _core.expanded_key_rows(m.cfg, ctx, -1),
+                                    _core.max_threads())
     assert tiers.work_bytes_estimate(m, ctx) >= held
 
 
 def test_long_prompt_scratch_is_bounded_by_the_chunk():
     """At GLM-5's widths a 6000-token prompt's scratch stays near 1 GB with chunks of 256 rows
-    (one batch would need several GB)."""
+    and the expanded path's kv_b rows capped (one batch on the expanded path would need several GB)."""
     from types import SimpleNamespace
     from colibri.config import parse_config
     cfg = parse_config(dict(vocab_size=154880, hidden_size=6144, num_hidden_layers=78, num_attention_heads=64,
@@ -68,9 +69,11 @@ def test_long_prompt_scratch_is_bounded_by_the_chunk():
                             intermediate_size=12288, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
                             qk_rope_head_dim=64, v_head_dim=256, n_shared_experts=1, index_topk=2048,
                             index_head_dim=128, index_n_heads=32, first_k_dense_replace=3))
-    chunked = _core.work_bytes(cfg, 6000, 6000, True, True, 2, 256)
-    whole = _core.work_bytes(cfg, 6000, 6000, True, True, 2, 6000)
-    assert chunked < 1.4e9 < 2.5 * chunked < whole
+    kvb = _core.expanded_key_rows(cfg, 6000, -1)
+    assert kvb < 200                            # past ~146 keys GLM-5's prefill attends in the latent space
+    chunked = _core.work_bytes(cfg, 6000, 6000, True, kvb, 2, 256)
+    whole = _core.work_bytes(cfg, 6000, 6000, True, 6000, 2, 6000)
+    assert chunked < 0.8e9 < 4 * chunked < whole
     assert tiers.work_bytes_estimate(SimpleNamespace(cfg=cfg, has_dsa=True), 6000) < 2.0e9
 
 
