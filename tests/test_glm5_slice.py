@@ -400,3 +400,19 @@ def test_not_enough_disk_space_is_refused_before_writing(tmp_path, monkeypatch):
     with pytest.raises(g.SliceError, match="needs .* GB, only 0.0 GB are free"):
         g.make_slice(str(tmp_path / "d"), shrink=SHRINK, verbose=False)
     assert not list((tmp_path / "d").glob("*.safetensors"))
+
+
+def test_headers_only_gives_the_same_plan_in_a_few_bytes(slices, tmp_path):
+    """--headers-only writes the same headers with the data left as holes: plan reads the same
+    numbers (for a full-size GLM-5 plan without its ~390 GB), and the files use almost no disk."""
+    d, _ = slices["mtp"]
+    h = tmp_path / "h"
+    r = tool(h, "--shrink", SHRINK, "--seed", 7, "--mtp", "--headers-only")
+    assert r.returncode == 0, r.stderr[-3000:]
+    full = json.loads(colibri("plan", d, "--json").stdout)
+    hollow = json.loads(colibri("plan", h, "--json").stdout)
+    for key in ("resident", "experts", "kv_bytes", "per_token"):
+        assert full[key] == hollow[key]
+    sizes = sorted((p.name, p.stat().st_size) for p in d.glob("*.safetensors"))
+    assert sizes == sorted((p.name, p.stat().st_size) for p in h.glob("*.safetensors"))
+    assert sum(p.stat().st_blocks * 512 for p in h.glob("*.safetensors")) < 0.5 * sum(s for _, s in sizes)

@@ -464,13 +464,17 @@ def header_bytes(tensors: Sequence[Tensor]) -> bytes:
     return struct.pack("<Q", len(js)) + js
 
 
-def write_file(path: str, plan: FilePlan, seed: int, bar=None) -> None:
-    """Stream plan's tensors to a temporary name, fsync, check the header, rename into place."""
+def write_file(path: str, plan: FilePlan, seed: int, bar=None, headers_only: bool = False) -> None:
+    """Stream plan's tensors to a temporary name, fsync, check the header, rename into place.
+    headers_only: the data region is left a hole (a sparse file of the full size, all zeros)."""
     d, base = os.path.split(path)
     tmp = os.path.join(d, f".{base}.tmp")
     with open(tmp, "wb") as f:
-        f.write(header_bytes(plan.tensors))
-        for t in plan.tensors:
+        head = header_bytes(plan.tensors)
+        f.write(head)
+        if headers_only:
+            f.truncate(len(head) + plan.nbytes)
+        for t in (() if headers_only else plan.tensors):
             wrote = 0
             for chunk in tensor_chunks(t, seed):
                 raw = np.ascontiguousarray(chunk, dtype=chunk.dtype.newbyteorder("<")).view(np.uint8)
@@ -595,8 +599,11 @@ def _check_space(dst: str, need: int) -> None:
 
 
 def make_slice(dst: str, *, dense_layers: int = 1, moe_layers: int = 3, mtp: bool = False, seed: int = 0,
-               shrink: int = 1, opts: Optional[ConvertOptions] = None, verbose: bool = True) -> dict:
-    """Write the slice into dst. Returns a summary dict (files, bytes, seconds, ...)."""
+               shrink: int = 1, opts: Optional[ConvertOptions] = None, verbose: bool = True,
+               headers_only: bool = False) -> dict:
+    """Write the slice into dst. Returns a summary dict (files, bytes, seconds, ...).
+    headers_only: every file is its header and a hole (sparse, zeros): for ``plan`` of a full-size
+    model (e.g. 3 dense + 75 MoE layers + MTP, ~390 GB) in a few MB of disk. Not for running."""
     t0 = time.perf_counter()
     opts = opts or ConvertOptions()
     if dense_layers < 0 or moe_layers < 0 or dense_layers + moe_layers < 1:
@@ -612,7 +619,7 @@ def make_slice(dst: str, *, dense_layers: int = 1, moe_layers: int = 3, mtp: boo
     files, classes = plan_slice(cfg, opts.bits(), mtp)
     params = {"tool": "tools/make_glm5_slice.py", "values_version": VALUES_VERSION, "seed": int(seed),
               "shrink": int(shrink), "dense_layers": int(dense_layers), "moe_layers": int(moe_layers),
-              "mtp": bool(mtp)}
+              "mtp": bool(mtp), "headers_only": bool(headers_only)}
     manifest = build_manifest(cfg, opts, files, classes, params, complete=False)
     _check_destination(dst, files, manifest)
 
@@ -624,7 +631,7 @@ def make_slice(dst: str, *, dense_layers: int = 1, moe_layers: int = 3, mtp: boo
                 keep.add(fp.name)
     todo = [fp for fp in files if fp.name not in keep]
     sizes = {fp.name: len(header_bytes(fp.tensors)) + fp.nbytes for fp in files}
-    need = sum(sizes[fp.name] for fp in todo)
+    need = sum(len(header_bytes(fp.tensors)) if headers_only else sizes[fp.name] for fp in todo)
     _check_space(dst, need)
     os.makedirs(dst, exist_ok=True)
     for n in os.listdir(dst):                  # leftovers of an interrupted run
@@ -645,7 +652,7 @@ def make_slice(dst: str, *, dense_layers: int = 1, moe_layers: int = 3, mtp: boo
         for fp in todo:
             if verbose and hasattr(bar, "set_postfix_str"):
                 bar.set_postfix_str(fp.name, refresh=False)
-            write_file(os.path.join(dst, fp.name), fp, seed, bar)
+            write_file(os.path.join(dst, fp.name), fp, seed, bar, headers_only)
     finally:
         bar.close()
     t_write = time.perf_counter() - t_write
@@ -718,6 +725,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "hnorm, shared_head.norm; int8 by default: +10 GB at full width)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0); same seed, same bytes")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON instead of text")
+    ap.add_argument("--headers-only", action="store_true",
+                    help="write only the headers (the data are sparse holes, zeros): 'colibri plan' of a "
+                         "full-size model, e.g. --dense-layers 3 --moe-layers 75 --mtp, in a few MB")
     ap.add_argument("--shrink", type=int, default=1, metavar="N",
                     help="divide every width by N (default 1: GLM-5's real widths)")
     for cls, what in (("expert", "routed experts"), ("dense", "attention, dense MLP, shared expert"),
@@ -734,7 +744,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         opts = ConvertOptions(expert_bits=args.expert_bits, dense_bits=args.dense_bits, io_bits=args.io_bits,
                               mtp_bits=args.mtp_bits, indexer_bits=args.indexer_bits)
         s = make_slice(args.dst, dense_layers=args.dense_layers, moe_layers=args.moe_layers, mtp=args.mtp,
-                       seed=args.seed, shrink=args.shrink, opts=opts)
+                       seed=args.seed, shrink=args.shrink, opts=opts, headers_only=args.headers_only)
     except (SliceError, ContainerError, ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
