@@ -75,6 +75,14 @@ cdef extern from "coli_kernels.h" nogil:
     void coli_rowdot2s_i8_x4x2(const int8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
                                const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
                                long qstep, long sstep, float *out)
+    float coli_rowdotg_i8(const int8_t *w, const float *ws, int gs, const int8_t *q, const float *xs, int n,
+                          int block)
+    float coli_rowdotg_i4(const uint8_t *w, const float *ws, int gs, const int8_t *q, const float *xs, int n,
+                          int block)
+    void coli_rowdotg_i8_rows(const int8_t *w, const float *ws, int gs, const int8_t *q, long qstride,
+                              const float *xs, long sstride, int R, int n, int block, float *out)
+    void coli_rowdotg_i4_rows(const uint8_t *w, const float *ws, int gs, const int8_t *q, long qstride,
+                              const float *xs, long sstride, int R, int n, int block, float *out)
 
 cdef extern from "coli_prefetch.h" nogil:
     void coli_prefetch_row(const void *p, Py_ssize_t nbytes)
@@ -103,7 +111,9 @@ cdef struct QTc:
     Py_ssize_t rb      # bytes per packed row (quantized formats)
     const float *f     # [O, I] f32 weights (FMT_F32)
     const uint8_t *q   # [O, rb] packed payload
-    const float *s     # [O] per-row scales
+    const float *s     # [O, G] scales: one per row (G = 1), or one per group of gs inputs
+    int gs             # group size of the scales: 0 = one scale per row (int8 / int4 only when > 0)
+    int G              # scales per row: 1, or ceil(I / gs)
 
 
 def fmt_from_nbytes(Py_ssize_t nbytes, int O, int I):
@@ -118,7 +128,9 @@ def fmt_from_nbytes(Py_ssize_t nbytes, int O, int I):
 
 
 cdef class QT:
-    """A 2-D weight [O, I]: f32, or int8/int4/int2 packed rows with one f32 scale per row."""
+    """A 2-D weight [O, I]: f32, or int8/int4/int2 packed rows with one f32 scale per row, or
+    (int8/int4) one f32 scale per group of gs inputs of each row (colibrì's group-scaled
+    container; the last group of a row partial)."""
     cdef QTc c
     cdef readonly object data      # numpy array keeping the payload (or f32 weights) alive
     cdef readonly object scale     # numpy f32 [O] or None
@@ -137,19 +149,22 @@ cdef class QT:
         t.c.f = &v[0, 0]
         t.c.q = NULL
         t.c.s = NULL
+        t.c.gs = 0
+        t.c.G = 1
         return t
 
     @staticmethod
     def from_packed(payload, scale, int O, int I, str name="tensor"):
         cdef QT t = QT()
         payload = np.ascontiguousarray(payload, dtype=np.uint8).reshape(-1)
-        scale = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
+        scale = np.ascontiguousarray(scale, dtype=np.float32)
         fmt = fmt_from_nbytes(payload.shape[0], O, I)
         if fmt < 0:
             raise ValueError(f"{name}: payload of {payload.shape[0]} bytes matches no int8/int4/int2 "
                              f"packing of a [{O}, {I}] matrix")
-        if scale.shape[0] != O:
-            raise ValueError(f"{name}.qs: {scale.shape[0]} scales for {O} rows")
+        # [O] per-row scales, or [O, G] / [O·G] group scales (the size inferred from the count)
+        cdef int gs = _quant.scale_group_size(scale.shape, FORMAT_NAMES[fmt], O, I, name)
+        scale = scale.reshape(-1)
         if not np.all(np.isfinite(scale)):
             raise ValueError(f"{name}.qs: non-finite scale")
         cdef uint8_t[::1] pv = payload
@@ -163,6 +178,8 @@ cdef class QT:
         t.c.f = NULL
         t.c.q = &pv[0]
         t.c.s = &sv[0]
+        t.c.gs = gs
+        t.c.G = _quant.n_groups(I, gs)
         return t
 
     @property
@@ -174,17 +191,44 @@ cdef class QT:
         return (self.c.O, self.c.I)
 
     @property
+    def group_size(self):
+        """Inputs per scale: 0 when there is one scale per row."""
+        return self.c.gs
+
+    @property
     def nbytes(self):
-        """Bytes held in RAM (spec qt_bytes): payload + scales."""
+        """Bytes held in RAM (spec qt_bytes): payload + f32 scales (O, or O·G for groups)."""
         if self.c.fmt == FMT_F32:
             return 4 * self.c.O * self.c.I
-        return self.c.O * self.c.rb + 4 * self.c.O
+        return self.c.O * self.c.rb + 4 * self.c.O * self.c.G
 
     def dequantize(self):
         """f32 copy of the weights [O, I] (tests, tools)."""
         if self.c.fmt == FMT_F32:
             return np.array(self.data, copy=True)
         return _quant.dequantize(self.data, self.scale, self.c.O, self.c.I)
+
+
+cdef inline int group_len(const QTc *W, int g) noexcept nogil:
+    """Inputs of weight group g of a row (the last group may be partial)."""
+    return W.I - g * W.gs if W.I - g * W.gs < W.gs else W.gs
+
+
+cdef inline float qt_rowdot_fg(const QTc *W, int row, const float *x) noexcept nogil:
+    """Float path of a group-scaled int8/int4 row: Σ_g (Σ_{i in g} v_i·x_i) · ws[g], groups in
+    order (each group's dot by the float kernels)."""
+    cdef const uint8_t *p = W.q + <Py_ssize_t>row * W.rb
+    cdef const float *ws = W.s + <Py_ssize_t>row * W.G
+    cdef int g, i0
+    cdef float acc = 0.0, d
+    for g in range(W.G):
+        i0 = g * W.gs
+        if W.fmt == FMT_I8:
+            d = coli_dot_q8f32(<const int8_t *>p + i0, x + i0, group_len(W, g))
+        else:
+            d = coli_dot_q4f32(p + i0 // 2, x + i0, group_len(W, g))
+        acc = acc + d * ws[g]
+    return acc
 
 
 cdef inline float qt_rowdot_f(const QTc *W, int row, const float *x) noexcept nogil:
@@ -194,6 +238,8 @@ cdef inline float qt_rowdot_f(const QTc *W, int row, const float *x) noexcept no
     cdef float acc = 0.0
     if W.fmt == FMT_F32:
         return coli_dot_f32(W.f + <Py_ssize_t>row * I, x, I)
+    if W.gs > 0:
+        return qt_rowdot_fg(W, row, x)
     p = W.q + <Py_ssize_t>row * W.rb
     if W.fmt == FMT_I8:
         return coli_dot_q8f32(<const int8_t *>p, x, I) * W.s[row]
@@ -213,6 +259,9 @@ cdef inline void qt_addrow(const QTc *W, int row, float c, float *acc) noexcept 
         coli_axpy_f32(acc, c, W.f + <Py_ssize_t>row * I, I)
         return
     p = W.q + <Py_ssize_t>row * W.rb
+    if W.gs > 0:
+        qt_addrow_g(W, p, W.s + <Py_ssize_t>row * W.G, c, acc)
+        return
     cs = c * W.s[row]
     if W.fmt == FMT_I8:
         coli_axpy_q8f32(acc, cs, <const int8_t *>p, I)
@@ -223,9 +272,25 @@ cdef inline void qt_addrow(const QTc *W, int row, float c, float *acc) noexcept 
             acc[i] += cs * <float>(((p[i >> 2] >> (2 * (i & 3))) & 3) - 2)
 
 
+cdef inline void qt_addrow_g(const QTc *W, const uint8_t *p, const float *ws, float c, float *acc) noexcept nogil:
+    """qt_addrow of a group-scaled int8/int4 row p: acc[i] += (c · ws[g]) · v_i for the inputs i
+    of each group g (the group scale folded into the coefficient, as the row scale is)."""
+    cdef int g, i0
+    for g in range(W.G):
+        i0 = g * W.gs
+        if W.fmt == FMT_I8:
+            coli_axpy_q8f32(acc + i0, c * ws[g], <const int8_t *>p + i0, group_len(W, g))
+        else:
+            coli_axpy_q4f32(acc + i0, c * ws[g], p + i0 // 2, group_len(W, g))
+
+
 cdef inline void qt_rowdots_f(const QTc *W, int row0, int nrows, const float *x, float *out) noexcept nogil:
     """out[r] = W[row0 + r, :] · x for nrows rows: qt_rowdot_f per row, in one kernel call."""
     cdef int r
+    if W.gs > 0:
+        for r in range(nrows):
+            out[r] = qt_rowdot_fg(W, row0 + r, x)
+        return
     if W.fmt == FMT_F32:
         coli_dots_f32(x, W.I, W.f + <Py_ssize_t>row0 * W.I, W.I, NULL, nrows, out)
         return
@@ -253,12 +318,31 @@ cdef inline void qt_addrows(const QTc *W, int row0, int nrows, const float *c, f
         for r in range(nrows):
             qt_addrow(W, row0 + r, c[r], acc)
         return
+    if W.gs > 0:
+        qt_addrows_g(W, row0, nrows, c, cs, acc)
+        return
     for r in range(nrows):
         cs[r] = c[r] * W.s[row0 + r]        # as qt_addrow: the row scale folded into the coefficient
     if W.fmt == FMT_I8:
         coli_axpy_rows_q8f32(acc, W.I, cs, <const int8_t *>(W.q + <Py_ssize_t>row0 * W.rb), W.rb, nrows)
     else:
         coli_axpy_rows_q4f32(acc, W.I, cs, W.q + <Py_ssize_t>row0 * W.rb, W.rb, nrows)
+
+
+cdef inline void qt_addrows_g(const QTc *W, int row0, int nrows, const float *c, float *cs,
+                              float *acc) noexcept nogil:
+    """qt_addrows of group-scaled rows, group by group: for the inputs of group g, acc += Σ_r
+    (c[r] · ws_r[g]) · row_r in row order - per element the floats of qt_addrow per row."""
+    cdef int r, g, i0
+    cdef const uint8_t *p = W.q + <Py_ssize_t>row0 * W.rb
+    for g in range(W.G):
+        i0 = g * W.gs
+        for r in range(nrows):
+            cs[r] = c[r] * W.s[<Py_ssize_t>(row0 + r) * W.G + g]
+        if W.fmt == FMT_I8:
+            coli_axpy_rows_q8f32(acc + i0, group_len(W, g), cs, <const int8_t *>p + i0, W.rb, nrows)
+        else:
+            coli_axpy_rows_q4f32(acc + i0, group_len(W, g), cs, p + i0 // 2, W.rb, nrows)
 
 
 cdef inline int act_nblocks(int I, int block) noexcept nogil:
@@ -309,6 +393,40 @@ cdef enum:
     GROUP_ROWS = 4      # weight rows per work item of the integer matmuls (see int_group)
 
 
+cdef inline void rowdotg_rows(const QTc *W, const uint8_t *row, const float *ws, const int8_t *q, Py_ssize_t qstride,
+                              const float *xs, Py_ssize_t sstride, int R, int blk, float *out) noexcept nogil:
+    if W.fmt == FMT_I8:
+        coli_rowdotg_i8_rows(<const int8_t *>row, ws, W.gs, q, qstride, xs, sstride, R, W.I, blk, out)
+    else:
+        coli_rowdotg_i4_rows(row, ws, W.gs, q, qstride, xs, sstride, R, W.I, blk, out)
+
+
+cdef inline void int_row_g(const QTc *W, int o, int S, const int8_t *xq, const float *xs, int nb, int blk,
+                           int idot, float *y) noexcept nogil:
+    """int_row of a group-scaled matrix: y[s, o] = rowdotg(q1_s) (+ rowdotg(q2_s), the residual
+    row, with idot=2). Each group's exact integer dot is scaled by its weight scale inside the
+    kernel, the activation scales come after (coli_rowdotg_*, bit-identical on every ISA and for
+    every R). Decode (S = 1) takes q1 and q2 in one pass over the weight row."""
+    cdef float r1[8]
+    cdef float r2[8]
+    cdef int s0, R, r, I = W.I, O = W.O
+    cdef const uint8_t *row = W.q + <Py_ssize_t>o * W.rb
+    cdef const float *ws = W.s + <Py_ssize_t>o * W.G
+    cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb
+    if S == 1:
+        rowdotg_rows(W, row, ws, xq, off2, xs, soff2, 2 if idot == IDOT_Q8X2 else 1, blk, r1)
+        y[o] = (r1[0] + r1[1]) if idot == IDOT_Q8X2 else r1[0]
+        return
+    for s0 in range(0, S, 8):
+        R = S - s0 if S - s0 < 8 else 8
+        rowdotg_rows(W, row, ws, xq + <Py_ssize_t>s0 * I, I, xs + <Py_ssize_t>s0 * nb, nb, R, blk, r1)
+        if idot == IDOT_Q8X2:
+            rowdotg_rows(W, row, ws, xq + off2 + <Py_ssize_t>s0 * I, I, xs + soff2 + <Py_ssize_t>s0 * nb, nb, R,
+                         blk, r2)
+        for r in range(R):
+            y[<Py_ssize_t>(s0 + r) * O + o] = (r1[r] + r2[r]) if idot == IDOT_Q8X2 else r1[r]
+
+
 cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const float *xs, int nb, int blk,
                          int idot, float *y, const int32_t *xsum=NULL) noexcept nogil:
     """Output column o of an integer-path matmul for all S activation rows: y[s, o].
@@ -319,6 +437,9 @@ cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const flo
     cdef int s0, R, r, I = W.I, O = W.O
     cdef const uint8_t *row = W.q + <Py_ssize_t>o * W.rb
     cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb
+    if W.gs > 0:
+        int_row_g(W, o, S, xq, xs, nb, blk, idot, y)
+        return
     if S == 1:
         if W.fmt == FMT_I8:
             r1[0] = (coli_rowdot2_i8(<const int8_t *>row, xq, xs, xq + off2, xs + soff2, I, blk)
@@ -359,7 +480,7 @@ cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const
     S activation rows, prefetching the weights PREFETCH_GROUPS groups ahead. With the activations'
     block sums known (idot=2) the four-row kernels take two activation rows at a time (one pass
     over the activations for four weight rows; bit-identical to int_row per column); anything else
-    is int_row per column."""
+    (group-scaled matrices too) is int_row per column."""
     cdef float r4[2 * GROUP_ROWS]
     cdef int o0 = grp * GROUP_ROWS, r, s, p, ahead = o0 + PREFETCH_GROUPS * GROUP_ROWS
     cdef Py_ssize_t q, m
@@ -369,7 +490,7 @@ cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const
     if PREFETCH_GROUPS > 0 and ahead < W.O:
         coli_prefetch_row(W.q + <Py_ssize_t>ahead * W.rb,
                           (GROUP_ROWS if W.O - ahead > GROUP_ROWS else W.O - ahead) * W.rb)
-    if n == GROUP_ROWS and idot == IDOT_Q8X2 and xsum != NULL and GROUP_KERNELS:
+    if n == GROUP_ROWS and idot == IDOT_Q8X2 and xsum != NULL and GROUP_KERNELS and W.gs == 0:
         # activation rows two at a time (verify and prefill batches), then the odd one (decode)
         for s in range(0, S, 2):
             q = <Py_ssize_t>s * W.I
@@ -1069,7 +1190,7 @@ cdef class Model:
             info = st.info(name)
             if info.dtype not in ("U8", "I8"):
                 raise _st.ContainerError(f"{info.path}: {name} has a .qs scale but dtype {info.dtype}, expected U8")
-            return QT.from_packed(st.read_raw(name), st.read_f32(name + ".qs"), O, I, name)
+            return QT.from_packed(st.read_raw(name), st.read_f32(name + ".qs"), O, I, f"{info.path}: {name}")
         w = st.read_f32(name)
         return self._qt_from_float(w, name, O, I, bits)
 
@@ -1153,9 +1274,12 @@ cdef class Model:
                 info = self.st.info(name)
                 rows, cols = (c.hidden, c.moe_inter) if m == "down_proj" else (c.moe_inter, c.hidden)
                 if name + ".qs" in self.st:
-                    if fmt_from_nbytes(info.nbytes, rows, cols) < 0:
+                    fmt = fmt_from_nbytes(info.nbytes, rows, cols)
+                    if fmt < 0:
                         raise _st.ContainerError(f"{info.path}: {name} has {info.nbytes} bytes, which is no "
                                                  f"int8/int4/int2 packing of [{rows}, {cols}]")
+                    qs = self.st.info(name + ".qs")     # per-row or group scales (read per expert later)
+                    _quant.scale_group_size(qs.shape, FORMAT_NAMES[fmt], rows, cols, f"{qs.path}: {name}")
                 elif tuple(info.shape) != (rows, cols):
                     raise _st.ContainerError(f"{info.path}: tensor {name} has shape {tuple(info.shape)}, "
                                              f"expected ({rows}, {cols})")

@@ -17,7 +17,8 @@
  *
  * Results: the integer dots are exact and identical on every ISA; coli_rowdot_*, coli_rowdot2_*,
  * coli_rowdot_*_rows and coli_quantize_q8 are bit-identical on every ISA (and the multi-activation
- * row dots to the equivalent single-row calls); the float dots agree up to rounding only.
+ * row dots to the equivalent single-row calls), and so are the group-scaled row dots coli_rowdotg_*
+ * (coli_group.h); the float dots agree up to rounding only.
  */
 #ifndef COLI_KERNELS_H
 #define COLI_KERNELS_H
@@ -28,6 +29,7 @@
 #include "coli_axpy.h"
 #include "coli_rows4.h"
 #include "coli_quant.h"
+#include "coli_group.h"
 
 enum { COLI_ISA_SCALAR = 0, COLI_ISA_AVX2 = 1, COLI_ISA_AVX512VNNI = 2 };
 
@@ -74,6 +76,14 @@ typedef struct coli_kernel_table {
                      float *out);
     void (*dots_q8f32)(const float *x, int n, const int8_t *w, long rb, int nrows, float *out);
     void (*dots_q4f32)(const float *x, int n, const uint8_t *w_packed, long rb, int nrows, float *out);
+    float (*rowdotg_i8)(const int8_t *w, const float *ws, int gs, const int8_t *q, const float *xs, int n,
+                        int block);
+    float (*rowdotg_i4)(const uint8_t *w_packed, const float *ws, int gs, const int8_t *q, const float *xs,
+                        int n, int block);
+    void (*rowdotg_i8_rows)(const int8_t *w, const float *ws, int gs, const int8_t *q, long qstride,
+                            const float *xs, long sstride, int R, int n, int block, float *out);
+    void (*rowdotg_i4_rows)(const uint8_t *w_packed, const float *ws, int gs, const int8_t *q, long qstride,
+                            const float *xs, long sstride, int R, int n, int block, float *out);
 } coli_kernel_table;
 
 #define COLI_KERNEL_TABLE(isa, sfx)                                                       \
@@ -85,7 +95,8 @@ typedef struct coli_kernel_table {
       coli_rowdot2s_i8_x4x2_##sfx, coli_axpy_f32_##sfx,                                      \
       coli_axpy_q8f32_##sfx, coli_axpy_q4f32_##sfx, coli_axpy_rows_f32_##sfx,                 \
       coli_axpy_rows_q8f32_##sfx, coli_axpy_rows_q4f32_##sfx, coli_dots_f32_##sfx,            \
-      coli_dots_q8f32_##sfx, coli_dots_q4f32_##sfx }
+      coli_dots_q8f32_##sfx, coli_dots_q4f32_##sfx, coli_rowdotg_i8_##sfx, coli_rowdotg_i4_##sfx, \
+      coli_rowdotg_i8_rows_##sfx, coli_rowdotg_i4_rows_##sfx }
 
 static const coli_kernel_table coli_kernels_by_isa[] = {
     COLI_KERNEL_TABLE(COLI_ISA_SCALAR, scalar),
@@ -329,6 +340,38 @@ static inline float coli_dot_q8f32(const int8_t *w, const float *x, int n)
 static inline float coli_dot_q4f32(const uint8_t *w_packed, const float *x, int n)
 {
     return coli_kt.dot_q4f32(w_packed, x, n);
+}
+
+/* Group-scaled weight rows (coli_group.h): ws[g] scales inputs g*gs .. (g+1)*gs-1 of the row (gs a
+ * multiple of 64, the last group partial); against Q8 activations q with block scales xs:
+ * sum over activation blocks b of xs[b] * (sum over the block's pieces k, cut at the group
+ * boundaries, of ws[g(k)] * (float)dot_k), every product rounded on its own; with one activation
+ * block, xs[0] * coli_rowdot_*(w, q, ws, n, gs). Bit-identical on every ISA. */
+static inline float coli_rowdotg_i8(const int8_t *w, const float *ws, int gs, const int8_t *q, const float *xs,
+                                    int n, int block)
+{
+    return coli_kt.rowdotg_i8(w, ws, gs, q, xs, n, block);
+}
+
+static inline float coli_rowdotg_i4(const uint8_t *w_packed, const float *ws, int gs, const int8_t *q,
+                                    const float *xs, int n, int block)
+{
+    return coli_kt.rowdotg_i4(w_packed, ws, gs, q, xs, n, block);
+}
+
+/* R activation rows (q + r*qstride, xs + r*sstride) against one group-scaled weight row in one
+ * pass: out[r] = coli_rowdotg_*(w, ws, gs, q + r*qstride, xs + r*sstride, n, block), bit-identical */
+static inline void coli_rowdotg_i8_rows(const int8_t *w, const float *ws, int gs, const int8_t *q, long qstride,
+                                        const float *xs, long sstride, int R, int n, int block, float *out)
+{
+    coli_kt.rowdotg_i8_rows(w, ws, gs, q, qstride, xs, sstride, R, n, block, out);
+}
+
+static inline void coli_rowdotg_i4_rows(const uint8_t *w_packed, const float *ws, int gs, const int8_t *q,
+                                        long qstride, const float *xs, long sstride, int R, int n, int block,
+                                        float *out)
+{
+    coli_kt.rowdotg_i4_rows(w_packed, ws, gs, q, qstride, xs, sstride, R, n, block, out);
 }
 
 /* per-block int8 quantization; q gets n values, xs gets one scale per block */
