@@ -208,6 +208,38 @@ cdef class QT:
             return np.array(self.data, copy=True)
         return _quant.dequantize(self.data, self.scale, self.c.O, self.c.I)
 
+    def _rows(self, int row0, int nrows):
+        if nrows < 1 or row0 < 0 or row0 + nrows > self.c.O:
+            raise ValueError(f"rows {row0}..{row0 + nrows - 1} outside [0, {self.c.O})")
+
+    def addrows(self, int row0, c, acc, bint one_by_one=False):
+        """acc + Σ_r c[r] · W[row0 + r, :] (dequantized) through the attention helpers (tests):
+        qt_addrows, or qt_addrow per row (one_by_one)."""
+        cdef float[::1] cv = np.ascontiguousarray(c, dtype=np.float32)
+        cdef float[::1] av = np.array(acc, dtype=np.float32)
+        cdef int r, n = cv.shape[0]
+        self._rows(row0, n)
+        if av.shape[0] != self.c.I:
+            raise ValueError(f"acc has {av.shape[0]} values, W has {self.c.I} inputs")
+        cdef float[::1] cs = np.empty(n, np.float32)
+        if one_by_one:
+            for r in range(n):
+                qt_addrow(&self.c, row0 + r, cv[r], &av[0])
+        else:
+            qt_addrows(&self.c, row0, n, &cv[0], &cs[0], &av[0])
+        return np.asarray(av)
+
+    def rowdots(self, int row0, int nrows, x):
+        """[W[row0 + r, :] · x for r < nrows] through qt_rowdots_f (float path, tests)."""
+        cdef float[::1] xv = np.ascontiguousarray(x, dtype=np.float32)
+        self._rows(row0, nrows)
+        if xv.shape[0] != self.c.I:
+            raise ValueError(f"x has {xv.shape[0]} values, W has {self.c.I} inputs")
+        out = np.empty(nrows, np.float32)
+        cdef float[::1] ov = out
+        qt_rowdots_f(&self.c, row0, nrows, &xv[0], &ov[0])
+        return out
+
 
 cdef inline int group_len(const QTc *W, int g) noexcept nogil:
     """Inputs of weight group g of a row (the last group may be partial)."""

@@ -1,0 +1,605 @@
+"""Group-scaled int4 / int8 weights: colibrì's default container since mid-2026 (one F32 scale per
+64 inputs of each row, the last group partial, ``NAME.qs`` [O, G] or flat [O·G]; the DSA indexer in
+separate ``out-idx-*`` shards), read and written (``convert --group-size``)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import colibri
+from colibri import _core, plan, quant, tiers
+from colibri.convert import ConvertOptions, convert
+from colibri.st import ContainerError, SafeTensorsDir
+from conftest import DATA
+
+VARIANTS = ["scalar", "avx2", "avx512vnni"]
+
+
+def _supported():
+    best = _core.ISA_NAMES[_core.isa_best()]
+    return [v for v in VARIANTS if _core.ISA_NAMES[v] <= best]
+
+
+@pytest.fixture
+def restore_isa():
+    before = _core.isa_active()
+    yield
+    _core.select_isa(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantizers and the scale-count validator
+
+
+def test_group_scales_are_group_amax_over_qmax_with_the_floor():
+    w = np.zeros((2, 150), np.float32)
+    w[0, :64] = np.linspace(-3.5, 2.0, 64)      # group 0: amax 3.5
+    w[0, 64:128] = 0.7                          # group 1: amax 0.7
+    w[0, 128:] = -1.4                           # group 2 (partial, 22 inputs): amax 1.4
+    # row 1 all zero: every group gets the 1e-8 floor (kept from the per-row quantizer)
+    v, s = quant.quantize_groups(w, 4, 64)
+    assert s.shape == (2, 3) and s.dtype == np.float32
+    np.testing.assert_array_equal(s[0], np.float32([3.5, 0.7, 1.4]) / np.float32(7))
+    np.testing.assert_array_equal(s[1], np.full(3, quant.SCALE_FLOOR))
+    assert v[0, 0] == -7 and np.all(v[0, 64:128] == 7) and np.all(v[0, 128:] == -7) and not v[1].any()
+    payload, s2, fmt = quant.quantize(w, 4, group_size=64)
+    assert fmt == "int4" and s2.shape == (2, 3)
+    # the nibble packing is the per-row one: only the scales differ
+    np.testing.assert_array_equal(payload, quant.pack_int4(v).reshape(-1))
+    d = quant.dequantize(payload, s2, 2, 150)
+    np.testing.assert_array_equal(d, v.astype(np.float32) * np.repeat(s2, 64, axis=1)[:, :150])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("gs", [64, 128, 256])
+def test_quantize_groups_against_a_loop(bits, gs):
+    rng = np.random.default_rng(11)
+    O, I = 7, 300
+    w = (rng.standard_normal((O, I)) * np.exp(rng.uniform(-2, 2, (O, I)))).astype(np.float32)
+    v, s = quant.quantize_groups(w, bits, gs)
+    qmax = quant.qmax_for_bits(bits)
+    for o in range(O):
+        for g in range(-(-I // gs)):
+            seg = w[o, g * gs:(g + 1) * gs]
+            sc = max(np.float32(np.abs(seg).max()) / np.float32(qmax), np.float32(1e-8))
+            assert s[o, g] == np.float32(sc)
+            want = np.clip(np.rint(seg / np.float32(sc)), -qmax - 1, qmax)
+            np.testing.assert_array_equal(v[o, g * gs:(g + 1) * gs], want)
+    # finer groups never lose precision against one scale per row
+    d_group = v.astype(np.float32) * np.repeat(s, gs, axis=1)[:, :I]
+    vr, sr = quant.quantize_rows(w, bits)
+    assert np.abs(d_group - w).sum() < np.abs(vr * sr[:, None] - w).sum()
+
+
+def test_scale_group_size_reads_the_count():
+    O, I = 256, 6144
+    assert quant.scale_group_size((O,), "int4", O, I) == 0
+    assert quant.scale_group_size((O, 1), "int4", O, I) == 0
+    for gs in (64, 128, 256, 512):
+        G = -(-I // gs)
+        assert quant.scale_group_size((O, G), "int4", O, I) == gs
+        assert quant.scale_group_size((O * G,), "int8", O, I) == gs
+        assert quant.scale_group_size(O * G, "int4", O, I) == gs
+    assert quant.scale_group_size((10, 2), "int4", 10, 100) == 64         # partial last group
+    assert quant.scale_group_size((10,), "int4", 10, 64) == 0              # one group = per row
+    with pytest.raises(ContainerError, match=r"model\.layers\.0\.self_attn\.q_a_proj\.weight\.qs: "
+                                             r"4097 scales for 256 rows"):
+        quant.scale_group_size((4097,), "int4", 256, 6144, "model.layers.0.self_attn.q_a_proj.weight")
+    with pytest.raises(ContainerError, match="96 scales for 4 rows"):     # groups of 256/3: no such size
+        quant.scale_group_size((96,), "int4", 4, 256 * 8)
+    with pytest.raises(ContainerError, match=r"shape \[96, 256\]"):      # [G, O]: transposed
+        quant.scale_group_size((96, 256), "int4", 256, 6144, "w")
+    with pytest.raises(ContainerError, match="int4 and int8 only"):
+        quant.scale_group_size((4, 2), "int2", 4, 100, "w")
+    for bad in (32, 100, 192, -64, 1.5, "64"):
+        with pytest.raises(ValueError, match="64, 128, 256"):
+            quant.check_group_size(bad)
+    assert quant.check_group_size(0) == 0 and quant.check_group_size(1024) == 1024
+
+
+def test_rows_of_one_group_keep_per_row_scales():
+    w = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
+    p1, s1, _ = quant.quantize(w, 4, group_size=64)
+    p0, s0, _ = quant.quantize(w, 4)
+    assert s1.shape == (5,)
+    np.testing.assert_array_equal(p1, p0)
+    np.testing.assert_array_equal(s1, s0)
+    with pytest.raises(ValueError, match="int4 and int8 only"):
+        quant.quantize(np.ones((2, 200), np.float32), 2, group_size=64)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+
+def _q8_pair(x, block):
+    """The engine's idot=2 activation pair: Q8(x) and Q8 of its residual."""
+    q1, s1 = _core.quantize_q8(x, block)
+    blk = x.shape[0] if block == 0 or block >= x.shape[0] else block
+    xr = (x - np.repeat(s1, blk)[:x.shape[0]] * q1.astype(np.float32)).astype(np.float32)
+    q2, s2 = _core.quantize_q8(xr, block)
+    return (q1, s1), (q2, s2)
+
+
+def _rowdotg_ref(v, ws, gs, q, xs, block):
+    """The group-scaled row dot's definition (include/coli_group.h) in numpy float32, operation by
+    operation: per activation block b, in_b = Σ over its pieces (cut at the group boundaries) of
+    ws[g] ⊗ dot_piece from 0; out = xs[0] ⊗ in_0 ⊕ xs[1] ⊗ in_1 ..."""
+    n = v.shape[0]
+    bl = n if block == 0 or block >= n else block
+    f = np.float32
+    acc = None
+    for b, i in enumerate(range(0, n, bl)):
+        end = min(i + bl, n)
+        inner = f(0)
+        j = i
+        while j < end:
+            stop = min((j // gs + 1) * gs, end)
+            d = int(np.dot(v[j:stop].astype(np.int64), q[j:stop].astype(np.int64)))
+            inner = f(inner + f(ws[j // gs] * f(d)))
+            j = stop
+        p = f(xs[b] * inner)
+        acc = p if acc is None else f(acc + p)
+    return acc
+
+
+SHAPES = [(5, 64), (6, 100), (5, 192), (3, 6144 + 36), (9, 1000)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("gs", [64, 128, 256])
+def test_grouped_matmul_is_its_definition_on_every_isa(bits, gs, restore_isa):
+    """idot=1 and idot=2: every ISA variant returns the float32 definition exactly (so the variants
+    are bit-identical to the scalar one), for odd widths, partial last groups, activation blocks
+    that are and are not multiples of the group, and any batch (a row's value never depends on S)."""
+    rng = np.random.default_rng(gs + bits)
+    for O, I in SHAPES:
+        W = rng.standard_normal((O, I)).astype(np.float32)
+        payload, s, fmt = quant.quantize(W, bits, group_size=gs)
+        qt = _core.QT.from_packed(payload, s, O, I)
+        v = quant.unpack(payload, fmt, O, I)
+        ws = s.reshape(O, -1)
+        if ws.shape[1] == 1:
+            continue
+        assert qt.group_size == gs
+        x = (rng.standard_normal((5, I)) * rng.uniform(0.1, 10)).astype(np.float32)
+        for block in (0, 64, 128, 192):
+            want = {}
+            for idot in (1, 2):
+                ref = np.empty((5, O), np.float32)
+                for srow in range(5):
+                    (q1, s1), (q2, s2) = _q8_pair(x[srow], block)
+                    for o in range(O):
+                        r1 = _rowdotg_ref(v[o], ws[o], gs, q1, s1, block)
+                        ref[srow, o] = r1 if idot == 1 else np.float32(r1 + _rowdotg_ref(v[o], ws[o], gs, q2, s2,
+                                                                                          block))
+                want[idot] = ref
+            for isa in _supported():
+                _core.select_isa(isa)
+                for idot in (1, 2):
+                    for S in (1, 2, 3, 5):
+                        y = _core.matmul(qt, x[:S], block=block, idot=idot)
+                        np.testing.assert_array_equal(y, want[idot][:S], err_msg=f"{isa} {O}x{I} b{block} "
+                                                                                   f"idot{idot} S{S}")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_grouped_float_paths(bits, restore_isa):
+    """idot=0 (dequant-on-use) and the attention helpers on group-scaled rows: qt_addrows equals
+    qt_addrow per row and numpy's float32 acc + (c·ws_g)·v bit for bit on every ISA; the float dots
+    agree with the dequantized matrix to float rounding."""
+    rng = np.random.default_rng(bits)
+    for O, I in SHAPES:
+        W = rng.standard_normal((O, I)).astype(np.float32)
+        payload, s, fmt = quant.quantize(W, bits, group_size=64)
+        qt = _core.QT.from_packed(payload, s.reshape(-1), O, I)      # flat [O·G] scales
+        Wd = qt.dequantize()
+        ws = s.reshape(O, -1)
+        v = quant.unpack(payload, fmt, O, I).astype(np.float32)
+        x = rng.standard_normal((3, I)).astype(np.float32)
+        c = rng.standard_normal(O).astype(np.float32)
+        acc = rng.standard_normal(I).astype(np.float32)
+        want = acc.copy()
+        for r in range(O):
+            want = want + np.repeat(c[r] * ws[r], 64)[:I] * v[r]
+        for isa in _supported():
+            _core.select_isa(isa)
+            ref = x.astype(np.float64) @ Wd.T.astype(np.float64)
+            y = _core.matmul(qt, x, idot=0)
+            np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+            np.testing.assert_allclose(qt.rowdots(0, O, x[0]), ref[0], rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+            np.testing.assert_array_equal(qt.addrows(0, c, acc), want, err_msg=isa)
+            np.testing.assert_array_equal(qt.addrows(0, c, acc, one_by_one=True), want, err_msg=isa)
+
+
+def test_per_row_matrices_keep_their_kernels(restore_isa):
+    """A per-row matrix gives the same outputs as before groups existed: its scales read as
+    per-row in either shape ([O] and [O, 1]), and the four-row kernels still serve it."""
+    rng = np.random.default_rng(3)
+    W = rng.standard_normal((37, 640)).astype(np.float32)
+    payload, s, _ = quant.quantize(W, 4)
+    a = _core.QT.from_packed(payload, s, 37, 640)
+    b = _core.QT.from_packed(payload, s.reshape(37, 1), 37, 640)
+    assert a.group_size == b.group_size == 0 and a.nbytes == 37 * 320 + 4 * 37
+    x = rng.standard_normal((3, 640)).astype(np.float32)
+    before = _core.set_kernel_flags()
+    try:
+        for S in (1, 3):
+            _core.set_kernel_flags(group_kernels=True)
+            y4 = _core.matmul(a, x[:S])
+            _core.set_kernel_flags(group_kernels=False, block_sums=False)
+            np.testing.assert_array_equal(y4, _core.matmul(b, x[:S]))
+    finally:
+        _core.set_kernel_flags(**before)
+
+
+def test_bad_scale_counts_are_refused():
+    payload = np.zeros(256 * 32, np.uint8)           # int4 [256, 64]
+    with pytest.raises(ContainerError, match=r"q_a_proj\.weight\.qs: 4096 scales for 256 rows"):
+        _core.QT.from_packed(payload, np.ones(4096, np.float32), 256, 64, "model.layers.0.self_attn.q_a_proj.weight")
+    with pytest.raises(ContainerError, match="int4 and int8 only"):
+        _core.QT.from_packed(np.zeros(4 * 25, np.uint8), np.ones(8, np.float32), 4, 100, "w2")   # int2 + groups
+    qt = _core.QT.from_packed(np.zeros(4 * 50, np.uint8), np.ones((4, 2), np.float32), 4, 100)
+    assert qt.group_size == 64 and qt.nbytes == 4 * 50 + 4 * 8 and qt.fmt == "int4"
+
+
+# ---------------------------------------------------------------------------------------------
+# a colibrì-style container: written by hand (not by our converter), indexer in out-idx-*
+
+
+WIDE = dict(hidden_size=160, q_lora_rank=100, kv_lora_rank=96, moe_intermediate_size=80,
+            intermediate_size=136)       # every width > 64 and most with a partial last group
+
+
+def _wide_config(mtp):
+    cfg = json.loads((DATA / "tiny_dsa" / "config.json").read_text())
+    cfg.update(WIDE)
+    if mtp:
+        cfg["num_nextn_predict_layers"] = 1
+    return cfg
+
+
+def _random_weights(cfg, mtp):
+    """HF glm_moe_dsa tensor names (spec §2.2) with random f32 values; the MTP head (if asked) is
+    layer num_hidden_layers, a sparse layer plus eh_proj and its norms."""
+    rng = np.random.default_rng(2026)
+    D, V, NL = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    H, Lq, Lkv = cfg["num_attention_heads"], cfg["q_lora_rank"], cfg["kv_lora_rank"]
+    dn, dr, dv = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    E, Ie, Id = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
+    nh, hd = cfg["index_n_heads"], cfg["index_head_dim"]
+    t = {}
+
+    def mat(name, O, I, std=None):
+        t[name] = (rng.standard_normal((O, I)) * (std or 1 / np.sqrt(I))).astype(np.float32)
+
+    def vec(name, n, base=1.0, noise=0.1):
+        t[name] = (base + noise * rng.standard_normal(n)).astype(np.float32)
+
+    mat("model.embed_tokens.weight", V, D, 1.0)
+    mat("lm_head.weight", V, D)
+    vec("model.norm.weight", D)
+    for i in range(NL + (1 if mtp else 0)):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        vec(p + "input_layernorm.weight", D)
+        vec(p + "post_attention_layernorm.weight", D)
+        mat(a + "q_a_proj.weight", Lq, D)
+        vec(a + "q_a_layernorm.weight", Lq)
+        mat(a + "q_b_proj.weight", H * (dn + dr), Lq)
+        mat(a + "kv_a_proj_with_mqa.weight", Lkv + dr, D)
+        vec(a + "kv_a_layernorm.weight", Lkv)
+        mat(a + "kv_b_proj.weight", H * (dn + dv), Lkv)
+        mat(a + "o_proj.weight", D, H * dv)
+        if i < NL and cfg["indexer_types"][i] == "full":
+            mat(a + "indexer.wq_b.weight", nh * hd, Lq)
+            mat(a + "indexer.wk.weight", hd, D)
+            mat(a + "indexer.weights_proj.weight", nh, D)
+            vec(a + "indexer.k_norm.weight", hd)
+            vec(a + "indexer.k_norm.bias", hd, 0.0)
+        m = p + "mlp."
+        if i < cfg["first_k_dense_replace"]:
+            mat(m + "gate_proj.weight", Id, D)
+            mat(m + "up_proj.weight", Id, D)
+            mat(m + "down_proj.weight", D, Id)
+            continue
+        mat(m + "gate.weight", E, D)
+        vec(m + "gate.e_score_correction_bias", E, 0.0, 0.05)
+        mat(m + "shared_experts.gate_proj.weight", Ie, D)
+        mat(m + "shared_experts.up_proj.weight", Ie, D)
+        mat(m + "shared_experts.down_proj.weight", D, Ie)
+        for e in range(E):
+            mat(f"{m}experts.{e}.gate_proj.weight", Ie, D)
+            mat(f"{m}experts.{e}.up_proj.weight", Ie, D)
+            mat(f"{m}experts.{e}.down_proj.weight", D, Ie)
+        if i == NL:
+            mat(p + "eh_proj.weight", D, 2 * D)
+            for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+                vec(p + n, D)
+    return t
+
+
+def _colibri_quant(w, qmax, gs):
+    """colibrì's converter rule, written out independently of colibri.quant: per group of gs inputs
+    (gs = 0: per row) s = max(amax / qmax, 1e-8), v = clip(rint(w / s)); int4 nibbles v + 8, low
+    nibble = even element; int8 bytes."""
+    O, I = w.shape
+    G = 1 if gs == 0 else -(-I // gs)
+    width = I if gs == 0 else gs
+    s = np.empty((O, G), np.float32)
+    v = np.empty((O, I), np.int16)
+    for g in range(G):
+        seg = w[:, g * width:(g + 1) * width]
+        sc = np.maximum(np.abs(seg).max(axis=1) / np.float32(qmax), np.float32(1e-8)).astype(np.float32)
+        s[:, g] = sc
+        v[:, g * width:(g + 1) * width] = np.clip(np.rint(seg / sc[:, None]), -qmax - 1, qmax)
+    if qmax == 127:
+        payload = v.astype(np.int8).view(np.uint8).reshape(-1)
+    else:
+        u = (v + 8).astype(np.uint8)
+        if I % 2:
+            u = np.concatenate([u, np.zeros((O, 1), np.uint8)], axis=1)
+        payload = (u[:, 0::2] | (u[:, 1::2] << 4)).reshape(-1)
+    deq = (v.astype(np.float32) * np.repeat(s, width, axis=1)[:, :I]).astype(np.float32)
+    return payload, s, deq
+
+
+def _write_colibri_style(src, dst_container, dst_float, mtp):
+    """The container colibrì writes (int4 with groups of 64 for the projections and experts, int8
+    for embed/lm_head, the indexer and the MTP head; group scales [O, G] for most, flat [O·G] for
+    every third matrix, per-row [O] where a row is one group or for the int8 indexer), its indexer
+    in out-idx-00000.safetensors and its MTP head in out-mtp-00000.safetensors; plus the float
+    model holding exactly the dequantized weights."""
+    cfg = _wide_config(mtp)
+    t = _random_weights(cfg, mtp)
+    NL = cfg["num_hidden_layers"]
+    shards = {"out-00000.safetensors": {}, "out-idx-00000.safetensors": {}, "out-mtp-00000.safetensors": {}}
+    floats = {}
+    for k, (name, w) in enumerate(sorted(t.items())):
+        mtp_layer = name.startswith(f"model.layers.{NL}.")
+        shard = ("out-mtp-00000.safetensors" if mtp_layer else
+                 "out-idx-00000.safetensors" if ".indexer." in name else "out-00000.safetensors")
+        quantized = w.ndim == 2 and not name.endswith("mlp.gate.weight")
+        if not quantized:
+            shards[shard][name] = w
+            floats[name] = w
+            continue
+        int8 = mtp_layer or ".indexer." in name or name in ("model.embed_tokens.weight", "lm_head.weight")
+        gs = 0 if ".indexer." in name else 64
+        payload, s, deq = _colibri_quant(w, 127 if int8 else 7, gs)
+        shards[shard][name] = payload
+        shards[shard][name + ".qs"] = s.reshape(-1) if (s.shape[1] == 1 or k % 3 == 0) else s
+        floats[name] = deq
+    for d in (dst_container, dst_float):
+        os.makedirs(d)
+        (d / "config.json").write_text(json.dumps(cfg))
+    for fname, tensors in shards.items():
+        save_file(tensors, str(dst_container / fname))
+    save_file(floats, str(dst_float / "model.safetensors"))
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def colibri_style(tmp_path_factory):
+    root = tmp_path_factory.mktemp("colibri_style")
+    cont, flt = root / "container", root / "float"
+    _write_colibri_style(DATA / "tiny_dsa", cont, flt, mtp=True)
+    return cont, flt
+
+
+def test_colibri_style_container_loads(colibri_style):
+    cont, flt = colibri_style
+    m = colibri.model_init(cont)
+    f = colibri.model_init(flt)
+    try:
+        assert m.has_dsa and m.has_mtp
+        L0 = m.layers[0]
+        assert L0.q_a.fmt == "int4" and L0.q_a.group_size == 64           # [100, 160]: 3 groups
+        assert L0.kv_b.group_size == 64 and L0.iwq.fmt == "int8" and L0.iwq.group_size == 0
+        assert m.embed.fmt == "int8" and m.embed.group_size == 64 and m.mtp.q_a.fmt == "int8"
+        # every matrix holds exactly the dequantized weights of the float twin
+        pairs = [(m.embed, f.embed), (m.lm_head, f.lm_head), (m.eh_proj, f.eh_proj)]
+        for L, Lf in zip(list(m.layers) + [m.mtp], list(f.layers) + [f.mtp]):
+            for k in ("q_a", "q_b", "kv_a", "kv_b", "o_proj", "gate", "up", "down", "iwq", "iwk", "iwp"):
+                if getattr(L, k) is not None:
+                    pairs.append((getattr(L, k), getattr(Lf, k)))
+        for li in (3, 4, m.cfg.n_layers):
+            E, Ef = m.expert_load(li, 5), f.expert_load(li, 5)
+            pairs += [(E.gate, Ef.gate), (E.up, Ef.up), (E.down, Ef.down)]
+        for a, b in pairs:
+            np.testing.assert_array_equal(a.dequantize(), b.dequantize())
+    finally:
+        m.close()
+        f.close()
+
+
+@pytest.mark.parametrize("idot,tol", [(0, 2e-5), (2, 3e-3)])
+def test_colibri_style_container_matches_its_float_model(colibri_style, idot, tol):
+    """Logits of the group-scaled container equal the float model of its dequantized weights: to
+    float rounding on the dequant-on-use path (every kernel, the absorbed attention's grouped
+    kv_b helpers, the grouped int8 embedding row, the indexer from its own shard), to the
+    activations' Q8 error on the integer path; the MTP head drafts the same tokens."""
+    cont, flt = colibri_style
+    ids = [(7 * i + 3) % 256 for i in range(24)]     # > index_topk = 8 keys: DSA selects
+    m = colibri.model_init(cont, idot=idot)
+    f = colibri.model_init(flt)
+    try:
+        _, lm = m.forward_all(ids)
+        _, lf = f.forward_all(ids)
+        assert np.abs(lm - lf).max() <= tol * np.abs(lf).max()
+        assert (np.argmax(lm, 1) == np.argmax(lf, 1)).mean() >= 0.9
+        if idot == 0:
+            np.testing.assert_array_equal(np.argmax(lm, 1), np.argmax(lf, 1))
+            for model in (m, f):
+                model.kv_alloc(40)
+                model.step(ids[:12], 0)
+            assert m.mtp_draft(ids[12], 12, 3) == f.mtp_draft(ids[12], 12, 3)
+    finally:
+        m.close()
+        f.close()
+
+
+def test_colibri_style_plan_is_exact_and_a_cold_token_reads_it(colibri_style):
+    cont, _ = colibri_style
+    r = plan.build_report(cont, ram_gb=4, runtime_bytes=0)
+    m = colibri.model_init(cont)
+    try:
+        assert r["format"] == "container" and r["config"]["has_dsa"]
+        assert r["resident"]["engine_bytes"] == m.resident_bytes()
+        rows = tiers.expert_bytes_by_row(m)
+        for x in r["experts"]["rows"] + [r["experts"]["mtp"]]:
+            E = m.expert_load(x["layer"], 1)
+            ram = sum(W.nbytes for W in (E.gate, E.up, E.down))
+            assert x["expert_bytes"] == x["expert_disk_bytes"] == ram == rows[x["layer"]]
+        # int4 gate/up [80, 160] (3 groups a row) and down [160, 80] (2 groups): payload + scales
+        assert r["experts"]["rows"][0]["expert_bytes"] == 2 * (80 * 80 + 4 * 80 * 3) + (160 * 40 + 4 * 160 * 2)
+        m.kv_alloc(4)
+        m.reset_stats()
+        m.step([3], 0)
+        assert m.bytes_read == r["per_token"]["disk_bytes_cold"]
+        # the expert read: one pread of the three payloads, plus their three scale tensors
+        before = m.bytes_read
+        E = m.expert_load(4, 6)
+        assert E.slab.nbytes == 2 * 80 * 80 + 160 * 40
+        assert m.bytes_read - before == E.slab.nbytes + 4 * (2 * 80 * 3 + 160 * 2)
+    finally:
+        m.close()
+
+
+def _rewrite(path, fn):
+    tensors = load_file(str(path))
+    fn(tensors)
+    save_file(tensors, str(path))
+
+
+@pytest.mark.parametrize("name,shard", [
+    ("model.layers.0.self_attn.q_a_proj.weight.qs", "out-00000.safetensors"),
+    ("model.layers.4.mlp.experts.2.down_proj.weight.qs", "out-00000.safetensors"),
+    ("model.layers.0.self_attn.indexer.wk.weight.qs", "out-idx-00000.safetensors"),
+])
+def test_bad_scale_count_in_a_container_names_file_and_tensor(colibri_style, tmp_path, name, shard):
+    cont, _ = colibri_style
+    bad = tmp_path / "bad"
+    shutil.copytree(cont, bad)
+
+    def drop_one(t):
+        t[name] = t[name].reshape(-1)[:-1].copy()
+    _rewrite(bad / shard, drop_one)
+    with pytest.raises(ContainerError, match=rf"{shard}: .*{name.replace('.', '[.]')}: \d+ scales for \d+ rows"):
+        colibri.model_init(bad)
+    with pytest.raises(plan.PlanError, match=rf"{name.replace('.', '[.]')}: \d+ scales for \d+ rows"):
+        plan.build_report(bad, ram_gb=4)
+    p = subprocess.run([sys.executable, "-m", "colibri", "plan", str(bad)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "scales for" in p.stderr and "Traceback" not in p.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# our converter: --group-size
+
+
+@pytest.fixture(scope="module")
+def dense_containers(tmp_path_factory):
+    out = {}
+    for gs in (0, 64):
+        dst = tmp_path_factory.mktemp(f"dense_g{gs}")
+        convert(DATA / "tiny_dense", dst, ConvertOptions(expert_bits=4, dense_bits=4, io_bits=8, group_size=gs),
+                verbose=False)
+        out[gs] = dst
+    return out
+
+
+def _dequantized_twin(container, src, dst):
+    """A float checkpoint holding a container's dequantized weights (colibri.quant.dequantize); the
+    matrix shapes come from the source checkpoint it was converted from."""
+    os.makedirs(dst)
+    shutil.copy(container / "config.json", dst / "config.json")
+    shapes = {n: w.shape for n, w in load_file(str(src / "model.safetensors")).items()}
+    out = {}
+    with SafeTensorsDir(container) as st:
+        for name in st.names():
+            if name.endswith(".qs"):
+                continue
+            if name + ".qs" in st:
+                out[name] = quant.dequantize(st.read_raw(name), st.read_f32(name + ".qs"), *shapes[name], name)
+            else:
+                out[name] = st.read_f32(name)
+    save_file(out, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_convert_group_size_writes_the_grouped_container(dense_containers):
+    dst = dense_containers[64]
+    man = json.loads((dst / "colibri_convert.json").read_text())
+    assert man["group_size"] == 64 and "group of 64" in man["quantization"]["scheme"]
+    with SafeTensorsDir(dst) as st:
+        assert st.info("model.layers.0.self_attn.o_proj.weight.qs").shape == (128, 2)        # int4, I = 128
+        assert st.info("model.layers.0.self_attn.q_b_proj.weight.qs").shape == (128,)        # I = 64: one group
+        assert st.info("model.embed_tokens.weight.qs").shape == (256,)                        # int8: per row
+        assert st.info("model.layers.3.mlp.experts.0.gate_proj.weight.qs").shape == (32, 2)
+        w = load_file(str(DATA / "tiny_dense" / "model.safetensors"))["model.layers.0.self_attn.o_proj.weight"]
+        payload, s, _ = quant.quantize(w, 4, group_size=64)
+        np.testing.assert_array_equal(st.read_raw("model.layers.0.self_attn.o_proj.weight"), payload)
+        np.testing.assert_array_equal(st.read_f32("model.layers.0.self_attn.o_proj.weight.qs"), s)
+    m = colibri.model_init(dst)
+    try:
+        assert m.layers[0].o_proj.group_size == 64 and m.layers[0].q_b.group_size == 0
+        r = plan.build_report(dst, ram_gb=4, runtime_bytes=0)
+        assert r["resident"]["engine_bytes"] == m.resident_bytes()
+        x = r["experts"]["rows"][0]
+        E = m.expert_load(x["layer"], 0)
+        assert x["expert_bytes"] == x["expert_disk_bytes"] == sum(W.nbytes for W in (E.gate, E.up, E.down)) == \
+            2 * (32 * 64 + 4 * 32 * 2) + (128 * 16 + 4 * 128)
+    finally:
+        m.close()
+
+
+def test_convert_group_size_runs_close_to_float_and_per_row(dense_containers, tmp_path):
+    """The group-scaled container's logits equal the float model of its dequantized weights (to
+    float rounding on idot=0, to the Q8 activation error on the default idot=2), and its distance
+    to the original float model is the int4 error of the per-row container: on this random tiny
+    model (i.i.d. weights, flat logits) both quantizations move the logits by the same amount, and
+    grouped and per-row differ from each other by no more than that."""
+    ref = json.loads((DATA / "tiny_dense" / "ref_int4.json").read_text())
+    ids = ref["full_ids"]
+    twin = _dequantized_twin(dense_containers[64], DATA / "tiny_dense", tmp_path / "twin")
+    logits = {}
+    for key, path, kw in [("f32", DATA / "tiny_dense", {}), ("twin", twin, {}),
+                          ("g0", dense_containers[64], dict(idot=0)), ("g2", dense_containers[64], {}),
+                          ("r2", dense_containers[0], {})]:
+        m = colibri.model_init(path, **kw)
+        logits[key] = m.forward_all(ids)[1]
+        m.close()
+    scale = np.abs(logits["twin"]).max()
+    assert np.abs(logits["g0"] - logits["twin"]).max() <= 2e-5 * scale
+    assert np.abs(logits["g2"] - logits["twin"]).max() <= 3e-3 * scale
+    err_group = np.abs(logits["g2"] - logits["f32"]).mean()
+    err_row = np.abs(logits["r2"] - logits["f32"]).mean()
+    assert 2 / 3 < err_group / err_row < 3 / 2
+    assert np.abs(logits["g2"] - logits["r2"]).mean() <= 1.5 * max(err_group, err_row)
+
+
+def test_convert_group_size_is_validated_and_recorded_for_resume(tmp_path):
+    with pytest.raises(ValueError, match="--group-size 100"):
+        ConvertOptions(group_size=100)
+    p = subprocess.run([sys.executable, "-m", "colibri", "convert", str(DATA / "tiny_dense"), str(tmp_path / "x"),
+                        "--group-size", "96"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "group size" in p.stderr and "Traceback" not in p.stderr
+    dst = tmp_path / "c"
+    convert(DATA / "tiny_dense", dst, ConvertOptions(group_size=64), verbose=False)
+    with pytest.raises(ContainerError, match="group_size"):
+        convert(DATA / "tiny_dense", dst, ConvertOptions(group_size=128), verbose=False)
+    # a manifest from before group sizes existed means per-row: resuming per-row still works
+    man = json.loads((dst / "colibri_convert.json").read_text())
+    r = tmp_path / "r"
+    convert(DATA / "tiny_dense", r, ConvertOptions(), verbose=False)
+    old = json.loads((r / "colibri_convert.json").read_text())
+    del old["group_size"]
+    (r / "colibri_convert.json").write_text(json.dumps(old))
+    convert(DATA / "tiny_dense", r, ConvertOptions(), verbose=False)
+    assert man["group_size"] == 64
