@@ -83,6 +83,10 @@ cdef extern from "coli_kernels.h" nogil:
                               const float *xs, long sstride, int R, int n, int block, float *out)
     void coli_rowdotg_i4_rows(const uint8_t *w, const float *ws, int gs, const int8_t *q, long qstride,
                               const float *xs, long sstride, int R, int n, int block, float *out)
+    void coli_rowdotg_i8_tile(const int8_t *w, long rb, int nw, const float *ws, long wstride, int gs,
+                              const int8_t *q, long qstride, const float *xs, long sstride, int P, int n, float *out)
+    void coli_rowdotg_i4_tile(const uint8_t *w, long rb, int nw, const float *ws, long wstride, int gs,
+                              const int8_t *q, long qstride, const float *xs, long sstride, int P, int n, float *out)
 
 cdef extern from "coli_prefetch.h" nogil:
     void coli_prefetch_row(const void *p, Py_ssize_t nbytes)
@@ -438,7 +442,8 @@ cdef inline void int_row_g(const QTc *W, int o, int S, const int8_t *xq, const f
     """int_row of a group-scaled matrix: y[s, o] = rowdotg(q1_s) (+ rowdotg(q2_s), the residual
     row, with idot=2). Each group's exact integer dot is scaled by its weight scale inside the
     kernel, the activation scales come after (coli_rowdotg_*, bit-identical on every ISA and for
-    every R). Decode (S = 1) takes q1 and q2 in one pass over the weight row."""
+    every R: the lane form with one activation block, the segment form with several). Decode
+    (S = 1) takes q1 and q2 in one pass over the weight row."""
     cdef float r1[8]
     cdef float r2[8]
     cdef int s0, R, r, I = W.I, O = W.O
@@ -457,6 +462,49 @@ cdef inline void int_row_g(const QTc *W, int o, int S, const int8_t *xq, const f
                          blk, r2)
         for r in range(R):
             y[<Py_ssize_t>(s0 + r) * O + o] = (r1[r] + r2[r]) if idot == IDOT_Q8X2 else r1[r]
+
+
+cdef inline void tile_g(const QTc *W, int o0, int nw, const int8_t *q, Py_ssize_t qstride, const float *xs,
+                        Py_ssize_t sstride, int P, float *out) noexcept nogil:
+    """out[p·nw + r] = the lane-form row dot of weight row o0 + r and activation row p (scale
+    xs[p·sstride]), for nw <= 4 weight rows and P activation rows (coli_rowdotg_*_tile)."""
+    cdef const uint8_t *row = W.q + <Py_ssize_t>o0 * W.rb
+    cdef const float *ws = W.s + <Py_ssize_t>o0 * W.G
+    if W.fmt == FMT_I8:
+        coli_rowdotg_i8_tile(<const int8_t *>row, W.rb, nw, ws, W.G, W.gs, q, qstride, xs, sstride, P, W.I, out)
+    else:
+        coli_rowdotg_i4_tile(row, W.rb, nw, ws, W.G, W.gs, q, qstride, xs, sstride, P, W.I, out)
+
+
+cdef inline void int_group_g(const QTc *W, int o0, int n, int S, const int8_t *xq, const float *xs, int nb,
+                             int blk, int idot, float *y) noexcept nogil:
+    """Output columns o0 .. o0+n-1 (n <= GROUP_ROWS) of a group-scaled integer matmul for all S
+    activation rows. One activation block (the default): the lane-form tile kernel on the n weight
+    rows and up to 8 activation rows per call (decode: q1 and its residual q2 in one call, one pass
+    over the weights); several blocks: int_row_g per column. Each output is the same float as
+    int_row_g's, whatever S and n (the kernels are bit-identical per output)."""
+    cdef float t1[GROUP_ROWS * 8]
+    cdef float t2[GROUP_ROWS * 8]
+    cdef int s0, R, r, p, I = W.I, O = W.O
+    cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb
+    if nb > 1:
+        for r in range(n):
+            int_row_g(W, o0 + r, S, xq, xs, nb, blk, idot, y)
+        return
+    if S == 1 and idot == IDOT_Q8X2:
+        tile_g(W, o0, n, xq, off2, xs, soff2, 2, t1)         # activation rows: q1, then q2
+        for r in range(n):
+            y[o0 + r] = t1[r] + t1[n + r]
+        return
+    for s0 in range(0, S, 8):
+        R = S - s0 if S - s0 < 8 else 8
+        tile_g(W, o0, n, xq + <Py_ssize_t>s0 * I, I, xs + <Py_ssize_t>s0 * nb, nb, R, t1)
+        if idot == IDOT_Q8X2:
+            tile_g(W, o0, n, xq + off2 + <Py_ssize_t>s0 * I, I, xs + soff2 + <Py_ssize_t>s0 * nb, nb, R, t2)
+        for p in range(R):
+            for r in range(n):
+                y[<Py_ssize_t>(s0 + p) * O + o0 + r] = (t1[p * n + r] + t2[p * n + r]) if idot == IDOT_Q8X2 \
+                    else t1[p * n + r]
 
 
 cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const float *xs, int nb, int blk,
@@ -511,8 +559,8 @@ cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const
     """Output columns GROUP_ROWS·grp .. (the group's rows < W.O) of an integer-path matmul for all
     S activation rows, prefetching the weights PREFETCH_GROUPS groups ahead. With the activations'
     block sums known (idot=2) the four-row kernels take two activation rows at a time (one pass
-    over the activations for four weight rows; bit-identical to int_row per column); anything else
-    (group-scaled matrices too) is int_row per column."""
+    over the activations for four weight rows; bit-identical to int_row per column); group-scaled
+    matrices take int_group_g (the tile kernel); anything else is int_row per column."""
     cdef float r4[2 * GROUP_ROWS]
     cdef int o0 = grp * GROUP_ROWS, r, s, p, ahead = o0 + PREFETCH_GROUPS * GROUP_ROWS
     cdef Py_ssize_t q, m
@@ -522,7 +570,10 @@ cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const
     if PREFETCH_GROUPS > 0 and ahead < W.O:
         coli_prefetch_row(W.q + <Py_ssize_t>ahead * W.rb,
                           (GROUP_ROWS if W.O - ahead > GROUP_ROWS else W.O - ahead) * W.rb)
-    if n == GROUP_ROWS and idot == IDOT_Q8X2 and xsum != NULL and GROUP_KERNELS and W.gs == 0:
+    if W.gs > 0 and GROUP_KERNELS:
+        int_group_g(W, o0, n, S, xq, xs, nb, blk, idot, y)
+        return
+    if n == GROUP_ROWS and idot == IDOT_Q8X2 and xsum != NULL and GROUP_KERNELS:
         # activation rows two at a time (verify and prefill batches), then the odd one (decode)
         for s in range(0, S, 2):
             q = <Py_ssize_t>s * W.I

@@ -3,45 +3,375 @@
  * A weight row w of n elements (int8, or packed int4 as in coli_dot_i4.h) carries one f32 scale
  * per group of gs consecutive inputs: ws[g] for inputs g*gs .. (g+1)*gs - 1, the last group
  * partial when gs does not divide n. gs is a positive multiple of 64 (so every group starts on a
- * byte of a packed int4 row). The activations are Q8 with one scale per activation block
- * (xs[b], blocks of coli_block_len(n, block), the last partial), as for the per-row kernels.
+ * byte of a packed int4 row and on a 64-element chunk). The activations are Q8 with one scale per
+ * activation block (xs[b], blocks of coli_block_len(n, block), the last partial).
  *
- *   coli_rowdotg_<i8|i4>_<isa>(w, ws, gs, q, xs, n, block)
- *       = xs[0] (x) in_0  (+)  xs[1] (x) in_1  (+) ...            over the activation blocks b
- *     in_b = ws[g0] (x) (float)dot_0 (+) ws[g1] (x) (float)dot_1 ...  over the segments of block b
+ * (x) below is a float product rounded on its own, (+) a float add, fma(a, b, c) one correctly
+ * rounded fused multiply-add (the scalar code calls fmaf, the SIMD code the fma instructions: the
+ * same result).
  *
- * where the segments of block b are its pieces cut by the weight-group boundaries, in order,
- * dot_k is the exact int32 dot of segment k and g(k) its group; (x) is a float product rounded on
- * its own (never fused with the add: coli_block_acc / coli_mul_pinned), (+) float adds left to
- * right, in_b starting from 0 (coli_block_acc), the outer sum from the first block's product.
- * With one activation block (the engine's default, block >= n) this is
+ * One activation block (the engine's default): the LANE FORM. The row is cut into chunks of 64
+ * inputs and each chunk into 16 lanes of 4 consecutive inputs (lane l of a chunk = its inputs
+ * 4l .. 4l+3: the int32 lanes of vpdpbusd on a 64-byte vector, of two AVX2 madd vectors).
+ *   D[g][l] = the exact integer dot of the inputs of group g that sit in lane l of their chunk
+ *   A[l]    = fma(ws[g], (float)D[g][l], A[l]) over the groups g = 0, 1, ... in order, A = 0 first
+ *   out     = xs[0] (x) R16(A),  R16(A) = ((A0+A8 + A4+A12) + (A2+A10 + A6+A14)) + (odd lanes alike)
+ * precisely: t8[l] = A[l] + A[l+8], t4[l] = t8[l] + t8[l+4], t2[l] = t4[l] + t4[l+2], R = t2[0] + t2[1].
+ * Every lane takes part in every group (lanes past the row's end hold D = 0), so the value is the
+ * same whatever the code path. Each group's scale meets the group's exact integer dot, lane by
+ * lane, before any float rounding of the dot itself.
  *
- *       xs[0] (x) coli_rowdot_<kind>(w, q, ws, n, gs)
+ * Several activation blocks: the SEGMENT FORM (slower; blocks of any multiple of 64):
+ *   out = xs[0] (x) in_0  (+)  xs[1] (x) in_1 (+) ...      over the activation blocks b, in order
+ *   in_b = ws[g0] (x) (float)dot_0 (+) ws[g1] (x) (float)dot_1 ...  over block b's pieces cut at
+ *        the group boundaries, from 0 (coli_block_acc): a block made of whole groups is
+ *        coli_rowdot_<kind>(w, q, ws, len, gs) over them.
  *
- * i.e. the per-row kernel with the weight-group scales in the place of the activation-block
- * scales (its SIMD variants are bit-identical to the scalar one), then one product. A block that
- * is a multiple of gs is likewise coli_rowdot over its groups; other blocks are cut into
- * segments, each an exact integer dot of the ISA. So every variant returns the scalar one's
- * float, bit for bit, and the per-row kernels themselves are unchanged.
- *
+ * Entry points (per ISA, all bit-identical to the scalar one):
+ *   coli_rowdotg_<kind>_<isa>(w, ws, gs, q, xs, n, block)             one weight row, one activation row
  *   coli_rowdotg_<kind>_rows_<isa>(w, ws, gs, q, qstride, xs, sstride, R, n, block, out)
- *       out[r] = coli_rowdotg_<kind>(w, ws, gs, q + r*qstride, xs + r*sstride, n, block), r < R,
- *       one pass over the weights (coli_rowdot_<kind>_rows with the weight scales, stride 0),
- *       bit-identical to the one-row call.
+ *       out[r] = coli_rowdotg_<kind>(w, ws, gs, q + r*qstride, xs + r*sstride, n, block), r < R
+ *   coli_rowdotg_<kind>_tile_<isa>(w, rb, nw, ws, wstride, gs, q, qstride, xs, sstride, P, n, out)
+ *       lane form (one activation block) for nw (1..4) weight rows (w + r*rb, scales ws + r*wstride)
+ *       and P activation rows (q + p*qstride, scale xs[p*sstride]):
+ *       out[p*nw + r] = coli_rowdotg_<kind>(w + r*rb, ws + r*wstride, gs, q + p*qstride,
+ *                                           xs + p*sstride, n, n)
+ *       in one pass over the weights per pair of activation rows (AVX-512 VNNI decodes each
+ *       64 weights once for both and loads the activations once for the four rows).
+ *
+ * Integer ranges: a lane sums gs/16 products (|v*x| <= 8*127 for int4, 128*127 for int8), so the
+ * lane integers are exact for gs up to 2^20; the AVX-512 code biases the weights (u = v + 8 or
+ * w + 128, unsigned for vpdpbusd) and subtracts bias * (lane sum of x), exact modulo 2^32.
  */
 #ifndef COLI_GROUP_H
 #define COLI_GROUP_H
 
+#include <math.h>
 #include "coli_dot_i8.h"
 #include "coli_dot_i4.h"
-#include "coli_axpy.h" /* coli_mul_pinned */
+#include "coli_axpy.h"  /* coli_mul_pinned */
+#include "coli_rows4.h" /* coli_x4_weights_avx512 */
 
 #define COLI_GROUP_OFF_i8(j) (j)
 #define COLI_GROUP_OFF_i4(j) ((j) / 2)
 
-/* in_b of the activation block [i, end): whole groups (block start and length multiples of gs,
- * or the block is the row's tail) take the row kernel over them; else one integer dot per
- * segment */
+/* R16 of 16 lane floats (the lane form's final sum) */
+static inline float coli_lanes_sum16(const float *a)
+{
+    float t8[8], t4[4];
+    for (int l = 0; l < 8; l++)
+        t8[l] = a[l] + a[l + 8];
+    for (int l = 0; l < 4; l++)
+        t4[l] = t8[l] + t8[l + 4];
+    return (t4[0] + t4[2]) + (t4[1] + t4[3]);
+}
+
+/* ================================ scalar (the definition) ================================ */
+
+static inline int coli_wval_i8(const int8_t *w, int i) { return w[i]; }
+static inline int coli_wval_i4(const uint8_t *w, int i) { return ((i & 1) ? (w[i >> 1] >> 4) : (w[i >> 1] & 15)) - 8; }
+
+#define COLI_GROUP_LANES_SCALAR(kind, WT)                                                          \
+    /* R16(A) of the lane form for one weight row and one activation row (without xs) */          \
+    static inline float coli_lanes_##kind##_scalar(const WT *w, const float *ws, int gs,            \
+                                                   const int8_t *q, int n)                         \
+    {                                                                                              \
+        float a[16] = {0.0f};                                                                      \
+        for (int g = 0, i0 = 0; i0 < n; g++, i0 += gs) {                                           \
+            int32_t d[16] = {0};                                                                   \
+            int end = n - i0 < gs ? n : i0 + gs;                                                   \
+            for (int i = i0; i < end; i++)                                                         \
+                d[(i & 63) >> 2] += coli_wval_##kind(w, i) * (int32_t)q[i];                        \
+            for (int l = 0; l < 16; l++)                                                           \
+                a[l] = fmaf(ws[g], (float)d[l], a[l]);                                             \
+        }                                                                                          \
+        return coli_lanes_sum16(a);                                                                \
+    }                                                                                              \
+    static inline void coli_rowdotg_##kind##_tile_scalar(const WT *w, long rb, int nw, const float *ws, \
+                                                         long wstride, int gs, const int8_t *q,    \
+                                                         long qstride, const float *xs, long sstride, \
+                                                         int P, int n, float *out)                 \
+    {                                                                                              \
+        for (int p = 0; p < P; p++)                                                                \
+            for (int r = 0; r < nw; r++)                                                           \
+                out[p * nw + r] = coli_mul_pinned(xs[(long)p * sstride],                           \
+                                                  coli_lanes_##kind##_scalar(w + r * rb, ws + r * wstride, \
+                                                                             gs, q + p * qstride, n)); \
+    }
+COLI_GROUP_LANES_SCALAR(i8, int8_t)
+COLI_GROUP_LANES_SCALAR(i4, uint8_t)
+
+#if COLI_X86
+/* ========================================= AVX2 ========================================= */
+
+/* R16 of the 16 lanes held as two 8-lane halves (lanes 0..7 = inputs 0..31 of a chunk) */
+COLI_AVX2 static inline float coli_lanes_sum16_avx2(__m256 lo, __m256 hi)
+{
+    __m256 t8 = _mm256_add_ps(lo, hi);
+    __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+    __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4)); /* t4[0]+t4[2], t4[1]+t4[3] */
+    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+
+/* 32 weights as the operands of the sign trick (coli_i8x32_dot_avx2): *aw = |v|, *sw = v (its
+ * sign is moved onto x). int4: v = u - 8 from the unpacked nibbles; int8: the bytes. */
+COLI_AVX2 static inline void coli_w32_i4_avx2(const uint8_t *w, int j, __m256i *aw, __m256i *sw)
+{
+    *sw = _mm256_sub_epi8(coli_i4x32_unpack_avx2(w + j / 2), _mm256_set1_epi8(8));
+    *aw = _mm256_abs_epi8(*sw);
+}
+
+COLI_AVX2 static inline void coli_w32_i8_avx2(const int8_t *w, int j, __m256i *aw, __m256i *sw)
+{
+    *sw = _mm256_loadu_si256((const __m256i *)(w + j));
+    *aw = _mm256_abs_epi8(*sw);
+}
+
+/* the exact lane integers (8 lanes of 4 inputs) of 32 weights given as (aw, sw) against x: the pair
+ * sums |w|*(+-x) are <= 2*128*127 = 32512, no saturation */
+COLI_AVX2 static inline __m256i coli_lanes32_avx2(__m256i aw, __m256i sw, const int8_t *x)
+{
+    __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), sw);
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), _mm256_set1_epi16(1));
+}
+
+/* One weight row, P (1 or 2) activation rows: R16(A) per activation row. Whole 32-input halves
+ * of a chunk in SIMD (lanes 0..7 for inputs 0..31 of the chunk, 8..15 for 32..63), the weights
+ * decoded once for both activation rows. The full groups first, then the row's last group, whose
+ * last inputs (< 32, the end of its last chunk) go one by one into their lanes. */
+#define COLI_GROUP_LANES_AVX2(kind, WT)                                                             \
+    COLI_AVX2 static COLI_ALWAYS_INLINE void coli_chunk_##kind##_avx2(const WT *w, const int8_t *const *q, int j, \
+                                                                      const int P, __m256i *dlo, __m256i *dhi) \
+    {                                                                                              \
+        __m256i aw, sw;                                                                            \
+        coli_w32_##kind##_avx2(w, j, &aw, &sw);                                                    \
+        COLI_UNROLL_G                                                                              \
+        for (int p = 0; p < P; p++)                                                                \
+            dlo[p] = _mm256_add_epi32(dlo[p], coli_lanes32_avx2(aw, sw, q[p] + j));                 \
+        coli_w32_##kind##_avx2(w, j + 32, &aw, &sw);                                               \
+        COLI_UNROLL_G                                                                              \
+        for (int p = 0; p < P; p++)                                                                \
+            dhi[p] = _mm256_add_epi32(dhi[p], coli_lanes32_avx2(aw, sw, q[p] + j + 32));            \
+    }                                                                                              \
+    COLI_AVX2 static COLI_ALWAYS_INLINE void coli_lanes_##kind##_avx2_k(const WT *w, const float *ws, int gs, \
+                                                                        const int8_t *const *q, const int P, \
+                                                                        int n, float *res)         \
+    {                                                                                              \
+        __m256 alo[2], ahi[2];                                                                     \
+        __m256i dlo[2], dhi[2];                                                                    \
+        int g = 0, i0 = 0;                                                                         \
+        COLI_UNROLL_G                                                                              \
+        for (int p = 0; p < P; p++)                                                                \
+            alo[p] = ahi[p] = _mm256_setzero_ps();                                                 \
+        for (; i0 + gs <= n; i0 += gs, g++) { /* full groups */                                   \
+            COLI_UNROLL_G                                                                          \
+            for (int p = 0; p < P; p++)                                                            \
+                dlo[p] = dhi[p] = _mm256_setzero_si256();                                          \
+            for (int j = i0; j < i0 + gs; j += 64)                                                 \
+                coli_chunk_##kind##_avx2(w, q, j, P, dlo, dhi);                                    \
+            __m256 s = _mm256_set1_ps(ws[g]);                                                      \
+            COLI_UNROLL_G                                                                          \
+            for (int p = 0; p < P; p++) {                                                          \
+                alo[p] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dlo[p]), alo[p]);                   \
+                ahi[p] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dhi[p]), ahi[p]);                   \
+            }                                                                                      \
+        }                                                                                          \
+        if (i0 < n) { /* the last group, partial */                                               \
+            int j = i0, tail;                                                                      \
+            __m256i aw, sw;                                                                        \
+            for (int p = 0; p < P; p++)                                                            \
+                dlo[p] = dhi[p] = _mm256_setzero_si256();                                          \
+            for (; j + 64 <= n; j += 64)                                                           \
+                coli_chunk_##kind##_avx2(w, q, j, P, dlo, dhi);                                    \
+            tail = j;                                                                              \
+            if (j + 32 <= n) {                                                                     \
+                coli_w32_##kind##_avx2(w, j, &aw, &sw);                                            \
+                for (int p = 0; p < P; p++)                                                        \
+                    dlo[p] = _mm256_add_epi32(dlo[p], coli_lanes32_avx2(aw, sw, q[p] + j));         \
+                tail = j + 32;                                                                     \
+            }                                                                                      \
+            __m256 s = _mm256_set1_ps(ws[g]);                                                      \
+            for (int p = 0; p < P; p++) {                                                          \
+                int32_t d[16];                                                                     \
+                _mm256_storeu_si256((__m256i *)d, dlo[p]);                                         \
+                _mm256_storeu_si256((__m256i *)(d + 8), dhi[p]);                                   \
+                for (int i = tail; i < n; i++)                                                     \
+                    d[(i & 63) >> 2] += coli_wval_##kind(w, i) * (int32_t)q[p][i];                 \
+                alo[p] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)d)), alo[p]); \
+                ahi[p] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(d + 8))), \
+                                         ahi[p]);                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        for (int p = 0; p < P; p++)                                                                \
+            res[p] = coli_lanes_sum16_avx2(alo[p], ahi[p]);                                        \
+    }                                                                                              \
+    COLI_AVX2 static inline void coli_rowdotg_##kind##_tile_avx2(const WT *w, long rb, int nw, const float *ws, \
+                                                                 long wstride, int gs, const int8_t *q, \
+                                                                 long qstride, const float *xs, long sstride, \
+                                                                 int P, int n, float *out)         \
+    {                                                                                              \
+        for (int r = 0; r < nw; r++)                                                               \
+            for (int p = 0; p < P; p += 2) {                                                       \
+                const int8_t *qp[2] = {q + p * qstride, q + (p + 1 < P ? p + 1 : p) * qstride};    \
+                float res[2];                                                                      \
+                if (p + 1 < P)                                                                     \
+                    coli_lanes_##kind##_avx2_k(w + r * rb, ws + r * wstride, gs, qp, 2, n, res);   \
+                else                                                                               \
+                    coli_lanes_##kind##_avx2_k(w + r * rb, ws + r * wstride, gs, qp, 1, n, res);   \
+                for (int k = 0; k < 2 && p + k < P; k++)                                           \
+                    out[(p + k) * nw + r] = coli_mul_pinned(xs[(long)(p + k) * sstride], res[k]);  \
+            }                                                                                      \
+    }
+COLI_GROUP_LANES_AVX2(i8, int8_t)
+COLI_GROUP_LANES_AVX2(i4, uint8_t)
+
+/* ==================================== AVX-512 VNNI ==================================== */
+
+COLI_AVX512 static inline float coli_lanes_sum16_avx512(__m512 a)
+{
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); /* AVX-512F only */
+    __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(a), hi);
+    __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+    __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+
+/* 64 activations from element j on (rem < 64: masked, zeros past them) */
+COLI_AVX512 static inline __m512i coli_x64_avx512(const int8_t *q, int j, int rem)
+{
+    return rem >= 64 ? _mm512_loadu_si512(q + j) : _mm512_maskz_loadu_epi8(~0ULL >> (64 - rem), q + j);
+}
+
+/* One 64-input chunk (from element j, rem <= 64 inputs: rem < 64 only for the row's last chunk) of
+ * NW weight rows x P activation rows: d[p][r] += the lane dots of u (the biased weights, decoded
+ * once per weight row for all P activation rows) and x (loaded once for all NW weight rows). The
+ * bias correction: the group's first chunk starts d at -bias * (lane sums of x); later chunks of a
+ * group (gs > 64) add their x lane sums into c, subtracted at the group's end. */
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_chunk_avx512(const uint8_t *w, long rb, const int8_t *q,
+                                                                  long qstride, int j, const int rem, const int NW,
+                                                                  const int P, const int is4, const int first,
+                                                                  __m512i (*d)[4], __m512i *c)
+{
+    const __m512i one8 = _mm512_set1_epi8(1), z = _mm512_setzero_si512();
+    __m512i x[2];
+    COLI_UNROLL_G
+    for (int p = 0; p < P; p++) {
+        x[p] = coli_x64_avx512(q + p * qstride, j, rem);
+        if (first) {
+            __m512i nc = _mm512_sub_epi32(z, _mm512_slli_epi32(_mm512_dpbusd_epi32(z, one8, x[p]), is4 ? 3 : 7));
+            COLI_UNROLL_G
+            for (int r = 0; r < NW; r++)
+                d[p][r] = nc;
+        } else {
+            c[p] = _mm512_dpbusd_epi32(c[p], one8, x[p]);
+        }
+    }
+    COLI_UNROLL_G
+    for (int r = 0; r < NW; r++) {
+        __m512i u = coli_x4_weights_avx512(w + r * rb, j, rem, is4);
+        COLI_UNROLL_G
+        for (int p = 0; p < P; p++)
+            d[p][r] = _mm512_dpbusd_epi32(d[p][r], u, x[p]);
+    }
+}
+
+/* NW (1..4) weight rows x P (1..2) activation rows, the lane form: per group its chunks
+ * (coli_tile_chunk_avx512), then A = fma(ws, cvt(D), A) lane-wise; res[p*4 + r] = R16(A). */
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_lanes_tile_k_avx512(const uint8_t *w, long rb, const float *ws,
+                                                                    long wstride, int gs, const int8_t *q,
+                                                                    long qstride, int n, const int NW,
+                                                                    const int P, const int is4, float *res)
+{
+    __m512 a[2][4];
+    for (int p = 0; p < P; p++)
+        COLI_UNROLL_G
+        for (int r = 0; r < NW; r++)
+            a[p][r] = _mm512_setzero_ps();
+    for (int g = 0, i0 = 0; i0 < n; g++, i0 += gs) {
+        int end = n - i0 < gs ? n : i0 + gs;
+        __m512i d[2][4], c[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+        if (end - i0 == 64) { /* a group of one full chunk (gs = 64: every group but maybe the last) */
+            coli_tile_chunk_avx512(w, rb, q, qstride, i0, 64, NW, P, is4, 1, d, c);
+        } else {
+            if (i0 + 64 <= end)
+                coli_tile_chunk_avx512(w, rb, q, qstride, i0, 64, NW, P, is4, 1, d, c);
+            else
+                coli_tile_chunk_avx512(w, rb, q, qstride, i0, end - i0, NW, P, is4, 1, d, c);
+            int j = i0 + 64;
+            for (; j + 64 <= end; j += 64)
+                coli_tile_chunk_avx512(w, rb, q, qstride, j, 64, NW, P, is4, 0, d, c);
+            if (j < end)
+                coli_tile_chunk_avx512(w, rb, q, qstride, j, end - j, NW, P, is4, 0, d, c);
+            COLI_UNROLL_G
+            for (int p = 0; p < P; p++) {
+                __m512i cs = _mm512_slli_epi32(c[p], is4 ? 3 : 7);
+                COLI_UNROLL_G
+                for (int r = 0; r < NW; r++)
+                    d[p][r] = _mm512_sub_epi32(d[p][r], cs);
+            }
+        }
+        COLI_UNROLL_G
+        for (int r = 0; r < NW; r++) {
+            __m512 sc = _mm512_set1_ps(ws[r * wstride + g]);
+            COLI_UNROLL_G
+            for (int p = 0; p < P; p++)
+                a[p][r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(d[p][r]), a[p][r]);
+        }
+    }
+    for (int p = 0; p < P; p++)
+        COLI_UNROLL_G
+        for (int r = 0; r < NW; r++)
+            res[p * 4 + r] = coli_lanes_sum16_avx512(a[p][r]);
+}
+
+#define COLI_TILE_CASE(NW_, P_) coli_lanes_tile_k_avx512(wb, rb, ws, wstride, gs, qp, qstride, n, NW_, P_, is4, res)
+
+COLI_AVX512 static inline void coli_rowdotg_tile_avx512(const uint8_t *wb, long rb, int nw, const float *ws,
+                                                        long wstride, int gs, const int8_t *q, long qstride,
+                                                        const float *xs, long sstride, int P, int n, float *out,
+                                                        const int is4)
+{
+    for (int p0 = 0; p0 < P; p0 += 2) {
+        const int8_t *qp = q + p0 * qstride;
+        float res[8];
+        int pc = P - p0 < 2 ? 1 : 2;
+        switch (nw * 2 + pc - 1) {
+        case 2: COLI_TILE_CASE(1, 1); break;
+        case 3: COLI_TILE_CASE(1, 2); break;
+        case 4: COLI_TILE_CASE(2, 1); break;
+        case 5: COLI_TILE_CASE(2, 2); break;
+        case 6: COLI_TILE_CASE(3, 1); break;
+        case 7: COLI_TILE_CASE(3, 2); break;
+        case 8: COLI_TILE_CASE(4, 1); break;
+        case 9: COLI_TILE_CASE(4, 2); break;
+        default: return;
+        }
+        for (int p = 0; p < pc; p++)
+            for (int r = 0; r < nw; r++)
+                out[(p0 + p) * nw + r] = coli_mul_pinned(xs[(long)(p0 + p) * sstride], res[p * 4 + r]);
+    }
+}
+#undef COLI_TILE_CASE
+
+COLI_AVX512 static inline void coli_rowdotg_i4_tile_avx512(const uint8_t *w, long rb, int nw, const float *ws,
+                                                           long wstride, int gs, const int8_t *q, long qstride,
+                                                           const float *xs, long sstride, int P, int n, float *out)
+{
+    coli_rowdotg_tile_avx512(w, rb, nw, ws, wstride, gs, q, qstride, xs, sstride, P, n, out, 1);
+}
+
+COLI_AVX512 static inline void coli_rowdotg_i8_tile_avx512(const int8_t *w, long rb, int nw, const float *ws,
+                                                           long wstride, int gs, const int8_t *q, long qstride,
+                                                           const float *xs, long sstride, int P, int n, float *out)
+{
+    coli_rowdotg_tile_avx512((const uint8_t *)w, rb, nw, ws, wstride, gs, q, qstride, xs, sstride, P, n, out, 0);
+}
+#endif /* COLI_X86 */
+
+/* ====================== one-row forms (lane form or segment form) ====================== */
+
+/* in_b of the segment form for the activation block [i, end): whole groups take the row kernel
+ * over them; else one integer dot per piece */
 #define COLI_GROUP_KERNELS(kind, WT, sfx, ATTR)                                                    \
     ATTR static inline float coli_groupblk_##kind##_##sfx(const WT *w, const float *ws, int gs,     \
                                                           const int8_t *q, int i, int end, int n)   \
@@ -64,6 +394,10 @@
     {                                                                                              \
         int bl = coli_block_len(n, block);                                                         \
         float acc = 0.0f;                                                                          \
+        if (bl == n) { /* one activation block: the lane form */                                  \
+            coli_rowdotg_##kind##_tile_##sfx(w, 0, 1, ws, 0, gs, q, 0, xs, 0, 1, n, &acc);         \
+            return acc;                                                                            \
+        }                                                                                          \
         for (int i = 0, b = 0; i < n; i += bl, b++) {                                              \
             int end = n - i < bl ? n : i + bl;                                                     \
             float p = coli_mul_pinned(xs[b], coli_groupblk_##kind##_##sfx(w, ws, gs, q, i, end, n)); \
@@ -77,9 +411,7 @@
                                                              int n, int block, float *out)          \
     {                                                                                              \
         if (coli_block_len(n, block) == n) {                                                       \
-            coli_rowdot_##kind##_rows_##sfx(w, q, qstride, ws, 0, R, n, gs, out);                  \
-            for (int r = 0; r < R; r++)                                                            \
-                out[r] = coli_mul_pinned(xs[(long)r * sstride], out[r]);                           \
+            coli_rowdotg_##kind##_tile_##sfx(w, 0, 1, ws, 0, gs, q, qstride, xs, sstride, R, n, out); \
             return;                                                                                \
         }                                                                                          \
         for (int r = 0; r < R; r++)                                                                \

@@ -84,6 +84,10 @@ typedef struct coli_kernel_table {
                             const float *xs, long sstride, int R, int n, int block, float *out);
     void (*rowdotg_i4_rows)(const uint8_t *w_packed, const float *ws, int gs, const int8_t *q, long qstride,
                             const float *xs, long sstride, int R, int n, int block, float *out);
+    void (*rowdotg_i8_tile)(const int8_t *w, long rb, int nw, const float *ws, long wstride, int gs,
+                            const int8_t *q, long qstride, const float *xs, long sstride, int P, int n, float *out);
+    void (*rowdotg_i4_tile)(const uint8_t *w_packed, long rb, int nw, const float *ws, long wstride, int gs,
+                            const int8_t *q, long qstride, const float *xs, long sstride, int P, int n, float *out);
 } coli_kernel_table;
 
 #define COLI_KERNEL_TABLE(isa, sfx)                                                       \
@@ -96,7 +100,8 @@ typedef struct coli_kernel_table {
       coli_axpy_q8f32_##sfx, coli_axpy_q4f32_##sfx, coli_axpy_rows_f32_##sfx,                 \
       coli_axpy_rows_q8f32_##sfx, coli_axpy_rows_q4f32_##sfx, coli_dots_f32_##sfx,            \
       coli_dots_q8f32_##sfx, coli_dots_q4f32_##sfx, coli_rowdotg_i8_##sfx, coli_rowdotg_i4_##sfx, \
-      coli_rowdotg_i8_rows_##sfx, coli_rowdotg_i4_rows_##sfx }
+      coli_rowdotg_i8_rows_##sfx, coli_rowdotg_i4_rows_##sfx, coli_rowdotg_i8_tile_##sfx,          \
+      coli_rowdotg_i4_tile_##sfx }
 
 static const coli_kernel_table coli_kernels_by_isa[] = {
     COLI_KERNEL_TABLE(COLI_ISA_SCALAR, scalar),
@@ -343,10 +348,11 @@ static inline float coli_dot_q4f32(const uint8_t *w_packed, const float *x, int 
 }
 
 /* Group-scaled weight rows (coli_group.h): ws[g] scales inputs g*gs .. (g+1)*gs-1 of the row (gs a
- * multiple of 64, the last group partial); against Q8 activations q with block scales xs:
- * sum over activation blocks b of xs[b] * (sum over the block's pieces k, cut at the group
- * boundaries, of ws[g(k)] * (float)dot_k), every product rounded on its own; with one activation
- * block, xs[0] * coli_rowdot_*(w, q, ws, n, gs). Bit-identical on every ISA. */
+ * multiple of 64, the last group partial), against Q8 activations q with block scales xs. One
+ * activation block: the lane form, xs[0] * R16(A) with A[l] = fma(ws[g], (float)D[g][l], A[l])
+ * over the groups (D: the exact integer dot of the group's inputs in lane l = (i mod 64) / 4);
+ * several blocks: the segment form, sum over blocks b of xs[b] * (sum over the block's pieces k,
+ * cut at the group boundaries, of ws[g(k)] * (float)dot_k). Bit-identical on every ISA. */
 static inline float coli_rowdotg_i8(const int8_t *w, const float *ws, int gs, const int8_t *q, const float *xs,
                                     int n, int block)
 {
@@ -372,6 +378,24 @@ static inline void coli_rowdotg_i4_rows(const uint8_t *w_packed, const float *ws
                                         float *out)
 {
     coli_kt.rowdotg_i4_rows(w_packed, ws, gs, q, qstride, xs, sstride, R, n, block, out);
+}
+
+/* Lane form for a tile of nw (1..4) weight rows (w + r*rb, scales ws + r*wstride) and P activation
+ * rows (q + p*qstride, one scale xs[p*sstride] each): out[p*nw + r] = coli_rowdotg_*(w + r*rb,
+ * ws + r*wstride, gs, q + p*qstride, xs + p*sstride, n, n), bit-identical; the decode matmuls'
+ * unit of work for group-scaled matrices. */
+static inline void coli_rowdotg_i8_tile(const int8_t *w, long rb, int nw, const float *ws, long wstride, int gs,
+                                        const int8_t *q, long qstride, const float *xs, long sstride, int P, int n,
+                                        float *out)
+{
+    coli_kt.rowdotg_i8_tile(w, rb, nw, ws, wstride, gs, q, qstride, xs, sstride, P, n, out);
+}
+
+static inline void coli_rowdotg_i4_tile(const uint8_t *w_packed, long rb, int nw, const float *ws, long wstride,
+                                        int gs, const int8_t *q, long qstride, const float *xs, long sstride, int P,
+                                        int n, float *out)
+{
+    coli_kt.rowdotg_i4_tile(w_packed, rb, nw, ws, wstride, gs, q, qstride, xs, sstride, P, n, out);
 }
 
 /* per-block int8 quantization; q gets n values, xs gets one scale per block */

@@ -126,13 +126,42 @@ def _q8_pair(x, block):
     return (q1, s1), (q2, s2)
 
 
+def _fma32(a, b, c):
+    """Correctly rounded float32 a·b + c, element-wise (numpy has no fma): the product is exact in
+    float64, TwoSum gives the exact error of the float64 sum, and a float64 sum that lands exactly
+    on a float32 midpoint is rounded toward the error's side."""
+    a, b, c = (np.asarray(t, np.float32).astype(np.float64) for t in (a, b, c))
+    p = a * b
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    r = s.astype(np.float32)
+    dn = np.where(r.astype(np.float64) > s, np.nextafter(r, np.float32(-np.inf)), r)
+    up = np.nextafter(dn, np.float32(np.inf))
+    mid = (dn.astype(np.float64) + up.astype(np.float64)) / 2
+    fix = (s == mid) & (err != 0)
+    return np.where(fix, np.where(err > 0, up, dn), r).astype(np.float32)
+
+
 def _rowdotg_ref(v, ws, gs, q, xs, block):
-    """The group-scaled row dot's definition (include/coli_group.h) in numpy float32, operation by
-    operation: per activation block b, in_b = Σ over its pieces (cut at the group boundaries) of
-    ws[g] ⊗ dot_piece from 0; out = xs[0] ⊗ in_0 ⊕ xs[1] ⊗ in_1 ..."""
+    """The group-scaled row dot's definition (include/coli_group.h) in numpy, operation by
+    operation. One activation block, the lane form: per group g, D[l] = the exact dot of its inputs
+    in lane l = (i mod 64) // 4, A = fma(ws[g], D, A) lane-wise, then R16(A) and one product with
+    xs. Several blocks, the segment form: per block b, in_b = Σ over its pieces (cut at the group
+    boundaries) of ws[g] ⊗ dot_piece from 0; out = xs[0] ⊗ in_0 ⊕ xs[1] ⊗ in_1 ..."""
     n = v.shape[0]
     bl = n if block == 0 or block >= n else block
     f = np.float32
+    if bl == n:
+        a = np.zeros(16, np.float32)
+        prod = v.astype(np.int64) * q.astype(np.int64)
+        lane = (np.arange(n) % 64) // 4
+        for g, i0 in enumerate(range(0, n, gs)):
+            d = np.bincount(lane[i0:i0 + gs], weights=prod[i0:i0 + gs], minlength=16).astype(np.int64)
+            a = _fma32(np.full(16, ws[g], np.float32), d.astype(np.float32), a)
+        t8 = a[:8] + a[8:]
+        t4 = t8[:4] + t8[4:]
+        return f(xs[0] * f(f(t4[0] + t4[2]) + f(t4[1] + t4[3])))
     acc = None
     for b, i in enumerate(range(0, n, bl)):
         end = min(i + bl, n)

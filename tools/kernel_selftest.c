@@ -13,7 +13,8 @@
  *     the scalar one, and must not write past out[R-1];
  *   - the group-scaled row dots (coli_rowdotg_*, groups of 64/128/256 with a partial last group,
  *     any activation block) must be bit-identical to the scalar variant, close to a double
- *     reference of their definition, and their multi-row form (R = 1..8) to the one-row calls.
+ *     reference of their definition, and their multi-row form (R = 1..8) and their tile form
+ *     (1..4 weight rows x 1..5 activation rows) to the one-row calls.
  * Every input buffer ends right before a PROT_NONE page, so a read past the end crashes (for the
  * strided rows: the last row's activations and scales end at the page).
  * Exit status 0 on success.
@@ -464,6 +465,59 @@ static void check_grouped(int isa, bufs *b, int mode)
     }
 }
 
+/* The lane-form tile: nw = 1..4 weight rows (rows rb apart, the last ending at a guard page) and
+ * P = 1..5 activation rows, each output bit-identical to the scalar one-row call. */
+static void check_tile(int isa, int n, int mode)
+{
+    const int sizes[] = {64, 128};
+    for (size_t gi = 0; gi < sizeof sizes / sizeof sizes[0]; gi++) {
+        int gs = sizes[gi], G = (n + gs - 1) / gs;
+        long rb8 = n + 5, rb4 = (n + 1) / 2 + 3, wstride = G + 2, qstride = n + 7, sstride = 3;
+        size_t len8 = 3 * rb8 + n, len4 = 3 * rb4 + (n + 1) / 2, wlen = 3 * wstride + G;
+        size_t qlen = 4 * qstride + n, slen = 4 * sstride + 1;
+        int8_t *w8 = galloc(len8), *q = galloc(qlen);
+        uint8_t *w4 = galloc(len4);
+        float *ws = galloc(sizeof(float) * wlen), *xs = galloc(sizeof(float) * slen), out[4 * 5 + 1];
+        fill_q(w8, len8, mode);
+        fill_q(q, qlen, mode);
+        for (size_t i = 0; i < len4; i++)
+            w4[i] = mode == FILL_EXTREME_POS ? 0x00 : (uint8_t)(rnd() & 0xFF);
+        for (size_t i = 0; i < wlen; i++)
+            ws[i] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
+        for (size_t i = 0; i < slen; i++)
+            xs[i] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
+        for (int nw = 1; nw <= 4; nw++)
+            for (int P = 1; P <= 5; P++)
+                for (int t = 0; t < 2; t++) {
+                    /* the tile placed so that its last weight row ends at the guard page */
+                    const int8_t *a8 = w8 + (3 - (nw - 1)) * rb8;
+                    const uint8_t *a4 = w4 + (3 - (nw - 1)) * rb4;
+                    const float *aws = ws + (3 - (nw - 1)) * wstride;
+                    const int8_t *aq = q + (4 - (P - 1)) * qstride;
+                    const float *axs = xs + (4 - (P - 1)) * sstride;
+                    for (int k = 0; k <= 4 * 5; k++)
+                        out[k] = -12345.0f;
+                    if (t == 0)
+                        coli_rowdotg_i8_tile(a8, rb8, nw, aws, wstride, gs, aq, qstride, axs, sstride, P, n, out);
+                    else
+                        coli_rowdotg_i4_tile(a4, rb4, nw, aws, wstride, gs, aq, qstride, axs, sstride, P, n, out);
+                    for (int p = 0; p < P; p++)
+                        for (int r = 0; r < nw; r++) {
+                            float want = t ? coli_rowdotg_i4_scalar(a4 + r * rb4, aws + r * wstride, gs,
+                                                                    aq + p * qstride, axs + p * sstride, n, n)
+                                           : coli_rowdotg_i8_scalar(a8 + r * rb8, aws + r * wstride, gs,
+                                                                    aq + p * qstride, axs + p * sstride, n, n);
+                            CHECK(same_bits(out[p * nw + r], want), "rowdotg_%s_tile isa=%d n=%d gs=%d nw=%d P=%d "
+                                  "r=%d p=%d got %.9g want %.9g", t ? "i4" : "i8", isa, n, gs, nw, P, r, p,
+                                  out[p * nw + r], want);
+                        }
+                    CHECK(out[P * nw] == -12345.0f, "rowdotg_tile wrote past out isa=%d n=%d", isa, n);
+                }
+        gfree(w8, len8); gfree(q, qlen); gfree(w4, len4);
+        gfree(ws, sizeof(float) * wlen); gfree(xs, sizeof(float) * slen);
+    }
+}
+
 #define ALL_R 0x1FE /* R = 1..8 */
 
 static void run_size(int isa, int n, int modes)
@@ -476,8 +530,11 @@ static void run_size(int isa, int n, int modes)
         check_all(isa, &b);
         check_multi(isa, &b, mode, rmask);
         /* a subset of sizes and fills: whole and partial groups and blocks, short rows, long rows */
-        if (mode <= FILL_EXTREME_POS && (n % 64 == 0 || n % 64 == 36 || n % 64 == 1 || n < 8 || n > 300))
+        if (mode <= FILL_EXTREME_POS && (n % 64 == 0 || n % 64 == 36 || n % 64 == 1 || n < 8 || n > 300)) {
             check_grouped(isa, &b, mode);
+            if (n <= 16385)
+                check_tile(isa, n, mode);
+        }
     }
     bfree(&b);
 }
