@@ -10,16 +10,20 @@
  * rounded fused multiply-add (the scalar code calls fmaf, the SIMD code the fma instructions: the
  * same result).
  *
- * One activation block (the engine's default): the LANE FORM. The row is cut into chunks of 64
- * inputs and each chunk into 16 lanes of 4 consecutive inputs (lane l of a chunk = its inputs
- * 4l .. 4l+3: the int32 lanes of vpdpbusd on a 64-byte vector, of two AVX2 madd vectors).
- *   D[g][l] = the exact integer dot of the inputs of group g that sit in lane l of their chunk
+ * One activation block (the engine's default): the LANE FORM. The inputs of the row sit in 16
+ * lanes; lane(i) = (i mod 64) / 4 for int8 (4 consecutive inputs per lane of each 64-input
+ * chunk: the int32 lanes of vpdpbusd on 64 bytes, of two AVX2 madd vectors) and lane(i) =
+ * (i mod 128) / 8 for int4 (8 consecutive inputs per lane of each 128-input block: 64 packed bytes
+ * hold 128 weights, their low nibbles meet the block's even activations and their high nibbles
+ * its odd ones in the same int32 lane).
+ *   D[g][l] = the exact integer dot of the inputs i of group g with lane(i) = l
  *   A[l]    = fma(ws[g], (float)D[g][l], A[l]) over the groups g = 0, 1, ... in order, A = 0 first
- *   out     = xs[0] (x) R16(A),  R16(A) = ((A0+A8 + A4+A12) + (A2+A10 + A6+A14)) + (odd lanes alike)
- * precisely: t8[l] = A[l] + A[l+8], t4[l] = t8[l] + t8[l+4], t2[l] = t4[l] + t4[l+2], R = t2[0] + t2[1].
- * Every lane takes part in every group (lanes past the row's end hold D = 0), so the value is the
- * same whatever the code path. Each group's scale meets the group's exact integer dot, lane by
- * lane, before any float rounding of the dot itself.
+ *   out     = xs[0] (x) R16(A)
+ * R16: t8[l] = A[l] + A[l+8], t4[l] = t8[l] + t8[l+4], R = (t4[0] + t4[2]) + (t4[1] + t4[3]).
+ * A lane a group does not reach (D = 0) is unchanged by its fma (A starts at +0 and never becomes
+ * -0, the scales are finite), so code paths may skip those lanes; lanes past the row's end hold
+ * D = 0. Each group's scale meets the group's exact integer dot, lane by lane, before any float
+ * rounding of the dot itself.
  *
  * Several activation blocks: the SEGMENT FORM (slower; blocks of any multiple of 64):
  *   out = xs[0] (x) in_0  (+)  xs[1] (x) in_1 (+) ...      over the activation blocks b, in order
@@ -36,12 +40,12 @@
  *       and P activation rows (q + p*qstride, scale xs[p*sstride]):
  *       out[p*nw + r] = coli_rowdotg_<kind>(w + r*rb, ws + r*wstride, gs, q + p*qstride,
  *                                           xs + p*sstride, n, n)
- *       in one pass over the weights per pair of activation rows (AVX-512 VNNI decodes each
- *       64 weights once for both and loads the activations once for the four rows).
+ *       in one pass over the weights per pair of activation rows (AVX-512 VNNI decodes the
+ *       weights once for both and splits / loads the activations once for the four rows).
  *
- * Integer ranges: a lane sums gs/16 products (|v*x| <= 8*127 for int4, 128*127 for int8), so the
- * lane integers are exact for gs up to 2^20; the AVX-512 code biases the weights (u = v + 8 or
- * w + 128, unsigned for vpdpbusd) and subtracts bias * (lane sum of x), exact modulo 2^32.
+ * Integer ranges: a lane sums at most gs/8 products (|v*x| <= 8*127 for int4, 128*127 for int8),
+ * so the lane integers are exact for gs up to 2^20; the AVX-512 code biases the weights (u = v + 8
+ * or w + 128, unsigned for vpdpbusd) and subtracts bias * (lane sum of x), exact modulo 2^32.
  */
 #ifndef COLI_GROUP_H
 #define COLI_GROUP_H
@@ -54,6 +58,8 @@
 
 #define COLI_GROUP_OFF_i8(j) (j)
 #define COLI_GROUP_OFF_i4(j) ((j) / 2)
+#define COLI_LANE_i8(i) (((i) & 63) >> 2)
+#define COLI_LANE_i4(i) (((i) & 127) >> 3)
 
 /* R16 of 16 lane floats (the lane form's final sum) */
 static inline float coli_lanes_sum16(const float *a)
@@ -81,7 +87,7 @@ static inline int coli_wval_i4(const uint8_t *w, int i) { return ((i & 1) ? (w[i
             int32_t d[16] = {0};                                                                   \
             int end = n - i0 < gs ? n : i0 + gs;                                                   \
             for (int i = i0; i < end; i++)                                                         \
-                d[(i & 63) >> 2] += coli_wval_##kind(w, i) * (int32_t)q[i];                        \
+                d[COLI_LANE_##kind(i)] += coli_wval_##kind(w, i) * (int32_t)q[i];                  \
             for (int l = 0; l < 16; l++)                                                           \
                 a[l] = fmaf(ws[g], (float)d[l], a[l]);                                             \
         }                                                                                          \
@@ -196,7 +202,7 @@ COLI_AVX2 static inline __m256i coli_lanes32_avx2(__m256i aw, __m256i sw, const 
                 _mm256_storeu_si256((__m256i *)d, dlo[p]);                                         \
                 _mm256_storeu_si256((__m256i *)(d + 8), dhi[p]);                                   \
                 for (int i = tail; i < n; i++)                                                     \
-                    d[(i & 63) >> 2] += coli_wval_##kind(w, i) * (int32_t)q[p][i];                 \
+                    d[COLI_LANE_##kind(i)] += coli_wval_##kind(w, i) * (int32_t)q[p][i];           \
                 alo[p] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)d)), alo[p]); \
                 ahi[p] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(d + 8))), \
                                          ahi[p]);                                                  \
@@ -223,7 +229,95 @@ COLI_AVX2 static inline __m256i coli_lanes32_avx2(__m256i aw, __m256i sw, const 
             }                                                                                      \
     }
 COLI_GROUP_LANES_AVX2(i8, int8_t)
-COLI_GROUP_LANES_AVX2(i4, uint8_t)
+
+/* int4: lanes of 8 inputs. 64 inputs (one half of a 128-input block) as 8 lanes in order: the two
+ * 32-input halves give 8 lanes of 4 each (A, B); hadd pairs them into lanes of 8 in the order
+ * [A01 A23 B01 B23 | A45 A67 B45 B67], which vpermq 0xD8 puts in input order. */
+COLI_AVX2 static inline __m256i coli_l8_half_i4_avx2(const uint8_t *w, int j, const int8_t *x)
+{
+    __m256i aw, sw, a, b;
+    coli_w32_i4_avx2(w, j, &aw, &sw);
+    a = coli_lanes32_avx2(aw, sw, x + j);
+    coli_w32_i4_avx2(w, j + 32, &aw, &sw);
+    b = coli_lanes32_avx2(aw, sw, x + j + 32);
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8);
+}
+
+/* One int4 weight row, P (1 or 2) activation rows: R16(A) per activation row. The 64-input chunks
+ * in order; chunk c is half (c & 1) of its 128-input block, lanes 8 * (c & 1) .. + 7 (dlo / dhi);
+ * at a group's end each half it reached takes its fma. The row's last, partial chunk one input
+ * at a time. (Weights of a chunk are decoded once per activation row: AVX2 has too few registers
+ * to share them across two rows with their four accumulators each.) */
+COLI_AVX2 static COLI_ALWAYS_INLINE void coli_lanes_i4_avx2_k(const uint8_t *w, const float *ws, int gs,
+                                                              const int8_t *const *q, const int P, int n,
+                                                              float *res)
+{
+    __m256 alo[2], ahi[2];
+    for (int p = 0; p < P; p++)
+        alo[p] = ahi[p] = _mm256_setzero_ps();
+    for (int g = 0, i0 = 0; i0 < n; g++, i0 += gs) {
+        int end = n - i0 < gs ? n : i0 + gs, j = i0, lo = 0, hi = 0;
+        __m256i dlo[2], dhi[2];
+        for (int p = 0; p < P; p++)
+            dlo[p] = dhi[p] = _mm256_setzero_si256();
+        for (; j + 64 <= end; j += 64) {
+            if (j & 64) {
+                hi = 1;
+                COLI_UNROLL_G
+                for (int p = 0; p < P; p++)
+                    dhi[p] = _mm256_add_epi32(dhi[p], coli_l8_half_i4_avx2(w, j, q[p]));
+            } else {
+                lo = 1;
+                COLI_UNROLL_G
+                for (int p = 0; p < P; p++)
+                    dlo[p] = _mm256_add_epi32(dlo[p], coli_l8_half_i4_avx2(w, j, q[p]));
+            }
+        }
+        if (j < end) { /* the row's last inputs (< 64) */
+            for (int p = 0; p < P; p++) {
+                int32_t d[8] = {0};
+                for (int i = j; i < end; i++)
+                    d[(i & 63) >> 3] += coli_wval_i4(w, i) * (int32_t)q[p][i];
+                __m256i t = _mm256_loadu_si256((const __m256i *)d);
+                if (j & 64)
+                    dhi[p] = _mm256_add_epi32(dhi[p], t);
+                else
+                    dlo[p] = _mm256_add_epi32(dlo[p], t);
+            }
+            if (j & 64)
+                hi = 1;
+            else
+                lo = 1;
+        }
+        __m256 s = _mm256_set1_ps(ws[g]);
+        COLI_UNROLL_G
+        for (int p = 0; p < P; p++) {
+            if (lo)
+                alo[p] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dlo[p]), alo[p]);
+            if (hi)
+                ahi[p] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dhi[p]), ahi[p]);
+        }
+    }
+    for (int p = 0; p < P; p++)
+        res[p] = coli_lanes_sum16_avx2(alo[p], ahi[p]);
+}
+
+COLI_AVX2 static inline void coli_rowdotg_i4_tile_avx2(const uint8_t *w, long rb, int nw, const float *ws,
+                                                       long wstride, int gs, const int8_t *q, long qstride,
+                                                       const float *xs, long sstride, int P, int n, float *out)
+{
+    for (int r = 0; r < nw; r++)
+        for (int p = 0; p < P; p += 2) {
+            const int8_t *qp[2] = {q + p * qstride, q + (p + 1 < P ? p + 1 : p) * qstride};
+            float res[2];
+            if (p + 1 < P)
+                coli_lanes_i4_avx2_k(w + r * rb, ws + r * wstride, gs, qp, 2, n, res);
+            else
+                coli_lanes_i4_avx2_k(w + r * rb, ws + r * wstride, gs, qp, 1, n, res);
+            for (int k = 0; k < 2 && p + k < P; k++)
+                out[(p + k) * nw + r] = coli_mul_pinned(xs[(long)(p + k) * sstride], res[k]);
+        }
+}
 
 /* ==================================== AVX-512 VNNI ==================================== */
 
@@ -275,8 +369,9 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_chunk_avx512(const uint8_t 
     }
 }
 
-/* NW (1..4) weight rows x P (1..2) activation rows, the lane form: per group its chunks
- * (coli_tile_chunk_avx512), then A = fma(ws, cvt(D), A) lane-wise; res[p*4 + r] = R16(A). */
+/* NW (1..4) weight rows x P (1..2) activation rows, the lane form with lanes of 4 inputs (int8;
+ * int4 takes coli_l8_tile_k_avx512): per group its chunks (coli_tile_chunk_avx512), then
+ * A = fma(ws, cvt(D), A) lane-wise; res[p*4 + r] = R16(A). */
 COLI_AVX512 static COLI_ALWAYS_INLINE void coli_lanes_tile_k_avx512(const uint8_t *w, long rb, const float *ws,
                                                                     long wstride, int gs, const int8_t *q,
                                                                     long qstride, int n, const int NW,
@@ -324,7 +419,132 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_lanes_tile_k_avx512(const uint8_
             res[p * 4 + r] = coli_lanes_sum16_avx512(a[p][r]);
 }
 
-#define COLI_TILE_CASE(NW_, P_) coli_lanes_tile_k_avx512(wb, rb, ws, wstride, gs, qp, qstride, n, NW_, P_, is4, res)
+/* int4, lanes of 8 inputs: 128 activations from x (rem < 128: zeros past rem) split into their
+ * even inputs *xe and their odd inputs *xo (byte k = input 2k resp. 2k + 1): vpshufb gathers each
+ * 16-byte lane's evens into its low and odds into its high 8 bytes, vpermt2q collects them. */
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_x128_split_avx512(const int8_t *x, int rem, __m512i *xe, __m512i *xo)
+{
+    static const int8_t evens_odds[64] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                          0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
+    __m512i a, b;
+    if (rem >= 128) {
+        a = _mm512_loadu_si512(x);
+        b = _mm512_loadu_si512(x + 64);
+    } else {
+        a = rem >= 64 ? _mm512_loadu_si512(x) : _mm512_maskz_loadu_epi8(~0ULL >> (64 - rem), x);
+        b = rem > 64 ? _mm512_maskz_loadu_epi8(~0ULL >> (128 - rem), x + 64) : _mm512_setzero_si512();
+    }
+    const __m512i sh = _mm512_loadu_si512(evens_odds);
+    a = _mm512_shuffle_epi8(a, sh);
+    b = _mm512_shuffle_epi8(b, sh);
+    *xe = _mm512_permutex2var_epi64(a, _mm512_set_epi64(14, 12, 10, 8, 6, 4, 2, 0), b);
+    *xo = _mm512_permutex2var_epi64(a, _mm512_set_epi64(15, 13, 11, 9, 7, 5, 3, 1), b);
+}
+
+/* one 128-input block of NW int4 weight rows (row r's block at w + r*rb, 64 packed bytes; rem < 128:
+ * ceil(rem/2) bytes) against P split activation rows: d[p][r] (+)= low nibbles . even inputs +
+ * high nibbles . odd inputs (the stored u = v + 8; first: d starts at -8 * the lane sums of x, else
+ * those sums go into c for the group's end) */
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_l8_block_avx512(const uint8_t *w, long rb, const int8_t *q,
+                                                                long qstride, int rem, const int NW, const int P,
+                                                                const int first, __m512i (*d)[4], __m512i *c)
+{
+    const __m512i one8 = _mm512_set1_epi8(1), z = _mm512_setzero_si512(), m4 = _mm512_set1_epi8(0x0F);
+    __m512i xe[2], xo[2];
+    COLI_UNROLL_G
+    for (int p = 0; p < P; p++) {
+        coli_x128_split_avx512(q + p * qstride, rem, &xe[p], &xo[p]);
+        __m512i sx = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, one8, xe[p]), one8, xo[p]);
+        if (first) {
+            __m512i nc = _mm512_sub_epi32(z, _mm512_slli_epi32(sx, 3));
+            COLI_UNROLL_G
+            for (int r = 0; r < NW; r++)
+                d[p][r] = nc;
+        } else {
+            c[p] = _mm512_add_epi32(c[p], sx);
+        }
+    }
+    COLI_UNROLL_G
+    for (int r = 0; r < NW; r++) {
+        __m512i wv = rem >= 128 ? _mm512_loadu_si512(w + r * rb)
+                                : _mm512_maskz_loadu_epi8(~0ULL >> (64 - (rem + 1) / 2), w + r * rb);
+        __m512i lo = _mm512_and_si512(wv, m4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+        COLI_UNROLL_G
+        for (int p = 0; p < P; p++)
+            d[p][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(d[p][r], lo, xe[p]), hi, xo[p]);
+    }
+}
+
+/* The int4 lane form for NW (1..4) weight rows x P (1..2) activation rows. gs = 64: each 128-input
+ * block holds two groups, lanes 0..7 and 8..15, scaled by [ws[2b] x 8 | ws[2b+1] x 8] in one fma;
+ * gs >= 128: a group is whole blocks (the row's last one partial), its lane integers summed over
+ * them before its fma. res[p*4 + r] = R16(A). */
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_l8_tile_k_avx512(const uint8_t *w, long rb, const float *ws,
+                                                                 long wstride, int gs, const int8_t *q,
+                                                                 long qstride, int n, const int NW, const int P,
+                                                                 float *res)
+{
+    __m512 a[2][4];
+    __m512i d[2][4], c[2];
+    for (int p = 0; p < P; p++)
+        COLI_UNROLL_G
+        for (int r = 0; r < NW; r++)
+            a[p][r] = _mm512_setzero_ps();
+    if (gs == 64) {
+        int i = 0, g = 0;
+        for (; i + 128 <= n; i += 128, g += 2) { /* whole blocks: two groups each */
+            coli_l8_block_avx512(w + i / 2, rb, q + i, qstride, 128, NW, P, 1, d, c);
+            COLI_UNROLL_G
+            for (int r = 0; r < NW; r++) {
+                __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(ws[r * wstride + g]),
+                                                 _mm512_set1_ps(ws[r * wstride + g + 1]));
+                COLI_UNROLL_G
+                for (int p = 0; p < P; p++)
+                    a[p][r] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(d[p][r]), a[p][r]);
+            }
+        }
+        if (i < n) { /* the row's last block, partial: one group, or two with the second partial */
+            coli_l8_block_avx512(w + i / 2, rb, q + i, qstride, n - i, NW, P, 1, d, c);
+            int g1 = i + 64 < n ? g + 1 : g; /* one group: its high lanes hold D = 0 */
+            for (int r = 0; r < NW; r++) {
+                __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(ws[r * wstride + g]),
+                                                 _mm512_set1_ps(ws[r * wstride + g1]));
+                for (int p = 0; p < P; p++)
+                    a[p][r] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(d[p][r]), a[p][r]);
+            }
+        }
+    } else {
+        for (int g = 0, i0 = 0; i0 < n; g++, i0 += gs) {
+            int end = n - i0 < gs ? n : i0 + gs;
+            for (int p = 0; p < P; p++)
+                c[p] = _mm512_setzero_si512();
+            for (int i = i0; i < end; i += 128) {
+                if (i + 128 <= end)
+                    coli_l8_block_avx512(w + i / 2, rb, q + i, qstride, 128, NW, P, i == i0, d, c);
+                else
+                    coli_l8_block_avx512(w + i / 2, rb, q + i, qstride, end - i, NW, P, i == i0, d, c);
+            }
+            COLI_UNROLL_G
+            for (int r = 0; r < NW; r++) {
+                __m512 sv = _mm512_set1_ps(ws[r * wstride + g]);
+                COLI_UNROLL_G
+                for (int p = 0; p < P; p++)
+                    a[p][r] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(_mm512_sub_epi32(d[p][r], _mm512_slli_epi32(c[p], 3))),
+                                              a[p][r]);
+            }
+        }
+    }
+    for (int p = 0; p < P; p++)
+        COLI_UNROLL_G
+        for (int r = 0; r < NW; r++)
+            res[p * 4 + r] = coli_lanes_sum16_avx512(a[p][r]);
+}
+
+#define COLI_TILE_CASE(NW_, P_)                                                                    \
+    (is4 ? coli_l8_tile_k_avx512(wb, rb, ws, wstride, gs, qp, qstride, n, NW_, P_, res)              \
+         : coli_lanes_tile_k_avx512(wb, rb, ws, wstride, gs, qp, qstride, n, NW_, P_, 0, res))
 
 COLI_AVX512 static inline void coli_rowdotg_tile_avx512(const uint8_t *wb, long rb, int nw, const float *ws,
                                                         long wstride, int gs, const int8_t *q, long qstride,

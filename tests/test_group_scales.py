@@ -17,6 +17,9 @@ from colibri.convert import ConvertOptions, convert
 from colibri.st import ContainerError, SafeTensorsDir
 from conftest import DATA
 
+sys.path.insert(0, str(DATA.parent.parent / "tools"))
+from bench_groups import random_weights  # noqa: E402  (the random glm_moe_dsa checkpoint builder)
+
 VARIANTS = ["scalar", "avx2", "avx512vnni"]
 
 
@@ -143,19 +146,20 @@ def _fma32(a, b, c):
     return np.where(fix, np.where(err > 0, up, dn), r).astype(np.float32)
 
 
-def _rowdotg_ref(v, ws, gs, q, xs, block):
+def _rowdotg_ref(v, ws, gs, q, xs, block, int4):
     """The group-scaled row dot's definition (include/coli_group.h) in numpy, operation by
     operation. One activation block, the lane form: per group g, D[l] = the exact dot of its inputs
-    in lane l = (i mod 64) // 4, A = fma(ws[g], D, A) lane-wise, then R16(A) and one product with
-    xs. Several blocks, the segment form: per block b, in_b = Σ over its pieces (cut at the group
-    boundaries) of ws[g] ⊗ dot_piece from 0; out = xs[0] ⊗ in_0 ⊕ xs[1] ⊗ in_1 ..."""
+    in lane l (int8: (i mod 64) // 4, int4: (i mod 128) // 8), A = fma(ws[g], D, A) lane-wise,
+    then R16(A) and one product with xs. Several blocks, the segment form: per block b, in_b = Σ
+    over its pieces (cut at the group boundaries) of ws[g] ⊗ dot_piece from 0; out = xs[0] ⊗ in_0
+    ⊕ xs[1] ⊗ in_1 ..."""
     n = v.shape[0]
     bl = n if block == 0 or block >= n else block
     f = np.float32
     if bl == n:
         a = np.zeros(16, np.float32)
         prod = v.astype(np.int64) * q.astype(np.int64)
-        lane = (np.arange(n) % 64) // 4
+        lane = (np.arange(n) % 128) // 8 if int4 else (np.arange(n) % 64) // 4
         for g, i0 in enumerate(range(0, n, gs)):
             d = np.bincount(lane[i0:i0 + gs], weights=prod[i0:i0 + gs], minlength=16).astype(np.int64)
             a = _fma32(np.full(16, ws[g], np.float32), d.astype(np.float32), a)
@@ -204,9 +208,9 @@ def test_grouped_matmul_is_its_definition_on_every_isa(bits, gs, restore_isa):
                 for srow in range(5):
                     (q1, s1), (q2, s2) = _q8_pair(x[srow], block)
                     for o in range(O):
-                        r1 = _rowdotg_ref(v[o], ws[o], gs, q1, s1, block)
+                        r1 = _rowdotg_ref(v[o], ws[o], gs, q1, s1, block, bits == 4)
                         ref[srow, o] = r1 if idot == 1 else np.float32(r1 + _rowdotg_ref(v[o], ws[o], gs, q2, s2,
-                                                                                          block))
+                                                                                          block, bits == 4))
                 want[idot] = ref
             for isa in _supported():
                 _core.select_isa(isa)
@@ -215,6 +219,12 @@ def test_grouped_matmul_is_its_definition_on_every_isa(bits, gs, restore_isa):
                         y = _core.matmul(qt, x[:S], block=block, idot=idot)
                         np.testing.assert_array_equal(y, want[idot][:S], err_msg=f"{isa} {O}x{I} b{block} "
                                                                                    f"idot{idot} S{S}")
+                before = _core.set_kernel_flags()
+                try:                                     # one weight row per call: the same floats
+                    _core.set_kernel_flags(group_kernels=False)
+                    np.testing.assert_array_equal(_core.matmul(qt, x[:3], block=block), want[2][:3])
+                finally:
+                    _core.set_kernel_flags(**before)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -286,71 +296,12 @@ WIDE = dict(hidden_size=160, q_lora_rank=100, kv_lora_rank=96, moe_intermediate_
 
 
 def _wide_config(mtp):
+    """tiny_dsa's config with wider rows: every matrix has more than one group of 64 inputs."""
     cfg = json.loads((DATA / "tiny_dsa" / "config.json").read_text())
     cfg.update(WIDE)
     if mtp:
         cfg["num_nextn_predict_layers"] = 1
     return cfg
-
-
-def _random_weights(cfg, mtp):
-    """HF glm_moe_dsa tensor names (spec §2.2) with random f32 values; the MTP head (if asked) is
-    layer num_hidden_layers, a sparse layer plus eh_proj and its norms."""
-    rng = np.random.default_rng(2026)
-    D, V, NL = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    H, Lq, Lkv = cfg["num_attention_heads"], cfg["q_lora_rank"], cfg["kv_lora_rank"]
-    dn, dr, dv = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    E, Ie, Id = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
-    nh, hd = cfg["index_n_heads"], cfg["index_head_dim"]
-    t = {}
-
-    def mat(name, O, I, std=None):
-        t[name] = (rng.standard_normal((O, I)) * (std or 1 / np.sqrt(I))).astype(np.float32)
-
-    def vec(name, n, base=1.0, noise=0.1):
-        t[name] = (base + noise * rng.standard_normal(n)).astype(np.float32)
-
-    mat("model.embed_tokens.weight", V, D, 1.0)
-    mat("lm_head.weight", V, D)
-    vec("model.norm.weight", D)
-    for i in range(NL + (1 if mtp else 0)):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        vec(p + "input_layernorm.weight", D)
-        vec(p + "post_attention_layernorm.weight", D)
-        mat(a + "q_a_proj.weight", Lq, D)
-        vec(a + "q_a_layernorm.weight", Lq)
-        mat(a + "q_b_proj.weight", H * (dn + dr), Lq)
-        mat(a + "kv_a_proj_with_mqa.weight", Lkv + dr, D)
-        vec(a + "kv_a_layernorm.weight", Lkv)
-        mat(a + "kv_b_proj.weight", H * (dn + dv), Lkv)
-        mat(a + "o_proj.weight", D, H * dv)
-        if i < NL and cfg["indexer_types"][i] == "full":
-            mat(a + "indexer.wq_b.weight", nh * hd, Lq)
-            mat(a + "indexer.wk.weight", hd, D)
-            mat(a + "indexer.weights_proj.weight", nh, D)
-            vec(a + "indexer.k_norm.weight", hd)
-            vec(a + "indexer.k_norm.bias", hd, 0.0)
-        m = p + "mlp."
-        if i < cfg["first_k_dense_replace"]:
-            mat(m + "gate_proj.weight", Id, D)
-            mat(m + "up_proj.weight", Id, D)
-            mat(m + "down_proj.weight", D, Id)
-            continue
-        mat(m + "gate.weight", E, D)
-        vec(m + "gate.e_score_correction_bias", E, 0.0, 0.05)
-        mat(m + "shared_experts.gate_proj.weight", Ie, D)
-        mat(m + "shared_experts.up_proj.weight", Ie, D)
-        mat(m + "shared_experts.down_proj.weight", D, Ie)
-        for e in range(E):
-            mat(f"{m}experts.{e}.gate_proj.weight", Ie, D)
-            mat(f"{m}experts.{e}.up_proj.weight", Ie, D)
-            mat(f"{m}experts.{e}.down_proj.weight", D, Ie)
-        if i == NL:
-            mat(p + "eh_proj.weight", D, 2 * D)
-            for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
-                vec(p + n, D)
-    return t
 
 
 def _colibri_quant(w, qmax, gs):
@@ -385,7 +336,7 @@ def _write_colibri_style(src, dst_container, dst_float, mtp):
     in out-idx-00000.safetensors and its MTP head in out-mtp-00000.safetensors; plus the float
     model holding exactly the dequantized weights."""
     cfg = _wide_config(mtp)
-    t = _random_weights(cfg, mtp)
+    t = random_weights(cfg, mtp)
     NL = cfg["num_hidden_layers"]
     shards = {"out-00000.safetensors": {}, "out-idx-00000.safetensors": {}, "out-mtp-00000.safetensors": {}}
     floats = {}
