@@ -87,6 +87,10 @@ cdef extern from "coli_kernels.h" nogil:
                               const int8_t *q, long qstride, const float *xs, long sstride, int P, int n, float *out)
     void coli_rowdotg_i4_tile(const uint8_t *w, long rb, int nw, const float *ws, long wstride, int gs,
                               const int8_t *q, long qstride, const float *xs, long sstride, int P, int n, float *out)
+    void coli_dotsg_q8f32(const float *x, int n, const int8_t *w, long rb, const float *ws, long wstride, int gs,
+                          int nrows, float *out)
+    void coli_dotsg_q4f32(const float *x, int n, const uint8_t *w, long rb, const float *ws, long wstride, int gs,
+                          int nrows, float *out)
 
 cdef extern from "coli_prefetch.h" nogil:
     void coli_prefetch_row(const void *p, Py_ssize_t nbytes)
@@ -250,21 +254,15 @@ cdef inline int group_len(const QTc *W, int g) noexcept nogil:
     return W.I - g * W.gs if W.I - g * W.gs < W.gs else W.gs
 
 
-cdef inline float qt_rowdot_fg(const QTc *W, int row, const float *x) noexcept nogil:
-    """Float path of a group-scaled int8/int4 row: Σ_g (Σ_{i in g} v_i·x_i) · ws[g], groups in
-    order (each group's dot by the float kernels)."""
-    cdef const uint8_t *p = W.q + <Py_ssize_t>row * W.rb
-    cdef const float *ws = W.s + <Py_ssize_t>row * W.G
-    cdef int g, i0
-    cdef float acc = 0.0, d
-    for g in range(W.G):
-        i0 = g * W.gs
-        if W.fmt == FMT_I8:
-            d = coli_dot_q8f32(<const int8_t *>p + i0, x + i0, group_len(W, g))
-        else:
-            d = coli_dot_q4f32(p + i0 // 2, x + i0, group_len(W, g))
-        acc = acc + d * ws[g]
-    return acc
+cdef inline void qt_rowdots_fg(const QTc *W, int row0, int nrows, const float *x, float *out) noexcept nogil:
+    """Float path of group-scaled int8/int4 rows: out[r] = Σ_g (Σ_{i in g} v_i·x_i) · ws[g] for the
+    rows row0 .. row0+nrows-1, groups in order (coli_dotsg_*)."""
+    if W.fmt == FMT_I8:
+        coli_dotsg_q8f32(x, W.I, <const int8_t *>(W.q + <Py_ssize_t>row0 * W.rb), W.rb,
+                         W.s + <Py_ssize_t>row0 * W.G, W.G, W.gs, nrows, out)
+    else:
+        coli_dotsg_q4f32(x, W.I, W.q + <Py_ssize_t>row0 * W.rb, W.rb, W.s + <Py_ssize_t>row0 * W.G, W.G, W.gs,
+                         nrows, out)
 
 
 cdef inline float qt_rowdot_f(const QTc *W, int row, const float *x) noexcept nogil:
@@ -275,7 +273,8 @@ cdef inline float qt_rowdot_f(const QTc *W, int row, const float *x) noexcept no
     if W.fmt == FMT_F32:
         return coli_dot_f32(W.f + <Py_ssize_t>row * I, x, I)
     if W.gs > 0:
-        return qt_rowdot_fg(W, row, x)
+        qt_rowdots_fg(W, row, 1, x, &acc)
+        return acc
     p = W.q + <Py_ssize_t>row * W.rb
     if W.fmt == FMT_I8:
         return coli_dot_q8f32(<const int8_t *>p, x, I) * W.s[row]
@@ -324,8 +323,7 @@ cdef inline void qt_rowdots_f(const QTc *W, int row0, int nrows, const float *x,
     """out[r] = W[row0 + r, :] · x for nrows rows: qt_rowdot_f per row, in one kernel call."""
     cdef int r
     if W.gs > 0:
-        for r in range(nrows):
-            out[r] = qt_rowdot_fg(W, row0 + r, x)
+        qt_rowdots_fg(W, row0, nrows, x, out)
         return
     if W.fmt == FMT_F32:
         coli_dots_f32(x, W.I, W.f + <Py_ssize_t>row0 * W.I, W.I, NULL, nrows, out)

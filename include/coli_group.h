@@ -55,6 +55,7 @@
 #include "coli_dot_i4.h"
 #include "coli_axpy.h"  /* coli_mul_pinned */
 #include "coli_rows4.h" /* coli_x4_weights_avx512 */
+#include "coli_dot_f32.h"
 
 #define COLI_GROUP_OFF_i8(j) (j)
 #define COLI_GROUP_OFF_i4(j) ((j) / 2)
@@ -646,6 +647,41 @@ COLI_GROUP_KERNELS(i8, int8_t, avx2, COLI_AVX2)
 COLI_GROUP_KERNELS(i4, uint8_t, avx2, COLI_AVX2)
 COLI_GROUP_KERNELS(i8, int8_t, avx512, COLI_AVX512)
 COLI_GROUP_KERNELS(i4, uint8_t, avx512, COLI_AVX512)
+#endif
+
+/* ================================ the float (idot=0) path ================================
+ * out[r] = sum over the groups g of row r, in order, of coli_dot_<q8|q4>f32(group g, x) * ws[g]
+ * (the group's float dot times its scale, added to the row's sum): the dequant-on-use dots of
+ * group-scaled rows, in one call for nrows consecutive rows (rows rb bytes apart, scales wstride
+ * floats apart). Like the float dots themselves, equal across ISAs up to rounding only. */
+#define COLI_DOTSG(sfx, ATTR)                                                                      \
+    ATTR static inline void coli_dotsg_q8f32_##sfx(const float *x, int n, const int8_t *w, long rb,  \
+                                                   const float *ws, long wstride, int gs, int nrows, \
+                                                   float *out)                                     \
+    {                                                                                              \
+        for (int r = 0; r < nrows; r++) {                                                          \
+            float acc = 0.0f;                                                                      \
+            for (int g = 0, i = 0; i < n; g++, i += gs)                                            \
+                acc += coli_dot_q8f32_##sfx(w + r * rb + i, x + i, n - i < gs ? n - i : gs) * ws[r * wstride + g]; \
+            out[r] = acc;                                                                          \
+        }                                                                                          \
+    }                                                                                              \
+    ATTR static inline void coli_dotsg_q4f32_##sfx(const float *x, int n, const uint8_t *w, long rb, \
+                                                   const float *ws, long wstride, int gs, int nrows, \
+                                                   float *out)                                     \
+    {                                                                                              \
+        for (int r = 0; r < nrows; r++) {                                                          \
+            float acc = 0.0f;                                                                      \
+            for (int g = 0, i = 0; i < n; g++, i += gs)                                            \
+                acc += coli_dot_q4f32_##sfx(w + r * rb + i / 2, x + i, n - i < gs ? n - i : gs) *   \
+                       ws[r * wstride + g];                                                        \
+            out[r] = acc;                                                                          \
+        }                                                                                          \
+    }
+COLI_DOTSG(scalar, )
+#if COLI_X86
+COLI_DOTSG(avx2, COLI_AVX2)
+COLI_DOTSG(avx512, COLI_AVX512)
 #endif
 
 #endif /* COLI_GROUP_H */

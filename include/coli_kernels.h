@@ -88,6 +88,10 @@ typedef struct coli_kernel_table {
                             const int8_t *q, long qstride, const float *xs, long sstride, int P, int n, float *out);
     void (*rowdotg_i4_tile)(const uint8_t *w_packed, long rb, int nw, const float *ws, long wstride, int gs,
                             const int8_t *q, long qstride, const float *xs, long sstride, int P, int n, float *out);
+    void (*dotsg_q8f32)(const float *x, int n, const int8_t *w, long rb, const float *ws, long wstride, int gs,
+                        int nrows, float *out);
+    void (*dotsg_q4f32)(const float *x, int n, const uint8_t *w_packed, long rb, const float *ws, long wstride,
+                        int gs, int nrows, float *out);
 } coli_kernel_table;
 
 #define COLI_KERNEL_TABLE(isa, sfx)                                                       \
@@ -101,7 +105,7 @@ typedef struct coli_kernel_table {
       coli_axpy_rows_q8f32_##sfx, coli_axpy_rows_q4f32_##sfx, coli_dots_f32_##sfx,            \
       coli_dots_q8f32_##sfx, coli_dots_q4f32_##sfx, coli_rowdotg_i8_##sfx, coli_rowdotg_i4_##sfx, \
       coli_rowdotg_i8_rows_##sfx, coli_rowdotg_i4_rows_##sfx, coli_rowdotg_i8_tile_##sfx,          \
-      coli_rowdotg_i4_tile_##sfx }
+      coli_rowdotg_i4_tile_##sfx, coli_dotsg_q8f32_##sfx, coli_dotsg_q4f32_##sfx }
 
 static const coli_kernel_table coli_kernels_by_isa[] = {
     COLI_KERNEL_TABLE(COLI_ISA_SCALAR, scalar),
@@ -396,6 +400,20 @@ static inline void coli_rowdotg_i4_tile(const uint8_t *w_packed, long rb, int nw
                                         int n, float *out)
 {
     coli_kt.rowdotg_i4_tile(w_packed, rb, nw, ws, wstride, gs, q, qstride, xs, sstride, P, n, out);
+}
+
+/* float path of group-scaled rows: out[r] = sum_g coli_dot_*f32(group g of row r, x) * ws[r*wstride + g]
+ * (coli_group.h; equal across ISAs up to rounding, as the float dots) */
+static inline void coli_dotsg_q8f32(const float *x, int n, const int8_t *w, long rb, const float *ws, long wstride,
+                                    int gs, int nrows, float *out)
+{
+    coli_kt.dotsg_q8f32(x, n, w, rb, ws, wstride, gs, nrows, out);
+}
+
+static inline void coli_dotsg_q4f32(const float *x, int n, const uint8_t *w_packed, long rb, const float *ws,
+                                    long wstride, int gs, int nrows, float *out)
+{
+    coli_kt.dotsg_q4f32(x, n, w_packed, rb, ws, wstride, gs, nrows, out);
 }
 
 /* per-block int8 quantization; q gets n values, xs gets one scale per block */

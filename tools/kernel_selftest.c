@@ -423,6 +423,19 @@ static void check_grouped(int isa, bufs *b, int mode)
             }
             CHECK(close_to(s8, f8, 1e-5), "rowdotg_i8 scalar n=%d gs=%d block=%d got %.9g want %.9g", n, gs, blk,
                   s8, f8.val);
+            if (k == 0) { /* the float path: group dots times their scales */
+                fref d8 = {0, 0}, d4 = {0, 0};
+                for (int i = 0; i < n; i++) {
+                    double a8 = (double)ws[i / gs] * b->w8[i] * b->xf[i], a4 = (double)ws[i / gs] * (nib(b->w4, i) - 8) * b->xf[i];
+                    d8.val += a8; d8.mag += fabs(a8);
+                    d4.val += a4; d4.mag += fabs(a4);
+                }
+                float o8, o4;
+                coli_dotsg_q8f32(b->xf, n, b->w8, 0, ws, 0, gs, 1, &o8);
+                coli_dotsg_q4f32(b->xf, n, b->w4, 0, ws, 0, gs, 1, &o4);
+                CHECK(close_to(o8, d8, REL_TOL), "dotsg_q8f32 isa=%d n=%d gs=%d got %.9g want %.9g", isa, n, gs, o8, d8.val);
+                CHECK(close_to(o4, d4, REL_TOL), "dotsg_q4f32 isa=%d n=%d gs=%d got %.9g want %.9g", isa, n, gs, o4, d4.val);
+            }
             CHECK(close_to(s4, f4, 1e-5), "rowdotg_i4 scalar n=%d gs=%d block=%d got %.9g want %.9g", n, gs, blk,
                   s4, f4.val);
             /* rows: R strided activation rows, the last one ending at the guard page */
