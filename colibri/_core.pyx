@@ -84,9 +84,14 @@ cdef extern from "coli_kernels.h" nogil:
     void coli_rowdotg_i4_rows(const uint8_t *w, const float *ws, int gs, const int8_t *q, long qstride,
                               const float *xs, long sstride, int R, int n, int block, float *out)
     void coli_rowdotg_i8_tile(const int8_t *w, long rb, int nw, const float *ws, long wstride, int gs,
-                              const int8_t *q, long qstride, const float *xs, long sstride, int P, int n, float *out)
+                              const int8_t *q, long qstride, const uint8_t *xg, long gstride, const float *xs,
+                              long sstride, int P, int n, float *out)
     void coli_rowdotg_i4_tile(const uint8_t *w, long rb, int nw, const float *ws, long wstride, int gs,
-                              const int8_t *q, long qstride, const float *xs, long sstride, int P, int n, float *out)
+                              const int8_t *q, long qstride, const uint8_t *xg, long gstride, const float *xs,
+                              long sstride, int P, int n, float *out)
+    long coli_split_len(int n)
+    int coli_split_q8(const int8_t *q, int n, uint8_t *xg)
+    int coli_split_active()
     void coli_dotsg_q8f32(const float *x, int n, const int8_t *w, long rb, const float *ws, long wstride, int gs,
                           int nrows, float *out)
     void coli_dotsg_q4f32(const float *x, int n, const uint8_t *w, long rb, const float *ws, long wstride, int gs,
@@ -462,43 +467,61 @@ cdef inline void int_row_g(const QTc *W, int o, int S, const int8_t *xq, const f
             y[<Py_ssize_t>(s0 + r) * O + o] = (r1[r] + r2[r]) if idot == IDOT_Q8X2 else r1[r]
 
 
-cdef inline void tile_g(const QTc *W, int o0, int nw, const int8_t *q, Py_ssize_t qstride, const float *xs,
-                        Py_ssize_t sstride, int P, float *out) noexcept nogil:
+cdef inline void tile_g(const QTc *W, int o0, int nw, const int8_t *q, Py_ssize_t qstride, const uint8_t *xg,
+                        Py_ssize_t gstride, const float *xs, Py_ssize_t sstride, int P, float *out) noexcept nogil:
     """out[p·nw + r] = the lane-form row dot of weight row o0 + r and activation row p (scale
-    xs[p·sstride]), for nw <= 4 weight rows and P activation rows (coli_rowdotg_*_tile)."""
+    xs[p·sstride]), for nw <= 4 weight rows and P activation rows (coli_rowdotg_*_tile); xg: the
+    activation rows' split forms (int4, NULL: none), row p at xg + p·gstride."""
     cdef const uint8_t *row = W.q + <Py_ssize_t>o0 * W.rb
     cdef const float *ws = W.s + <Py_ssize_t>o0 * W.G
     if W.fmt == FMT_I8:
-        coli_rowdotg_i8_tile(<const int8_t *>row, W.rb, nw, ws, W.G, W.gs, q, qstride, xs, sstride, P, W.I, out)
+        coli_rowdotg_i8_tile(<const int8_t *>row, W.rb, nw, ws, W.G, W.gs, q, qstride, NULL, 0, xs, sstride, P, W.I,
+                             out)
     else:
-        coli_rowdotg_i4_tile(row, W.rb, nw, ws, W.G, W.gs, q, qstride, xs, sstride, P, W.I, out)
+        coli_rowdotg_i4_tile(row, W.rb, nw, ws, W.G, W.gs, q, qstride, xg, gstride, xs, sstride, P, W.I, out)
+
+
+cdef inline bint wants_split(const QTc *W, int nb) noexcept nogil:
+    """Whether W's integer matmul reads its activations' split forms (group-scaled int4 on the
+    tile kernel, i.e. one activation block, when the active ISA's tile uses them)."""
+    return W.gs > 0 and W.fmt == FMT_I4 and nb == 1 and GROUP_KERNELS and coli_split_active()
+
+
+cdef inline void split_rows(const int8_t *xq, int rows, int I, uint8_t *xg, Py_ssize_t gstride) noexcept nogil:
+    """The split forms (coli_split_q8) of Q8 rows xq + p·I into xg + p·gstride, p < rows."""
+    cdef int p
+    for p in range(rows):
+        coli_split_q8(xq + <Py_ssize_t>p * I, I, xg + <Py_ssize_t>p * gstride)
 
 
 cdef inline void int_group_g(const QTc *W, int o0, int n, int S, const int8_t *xq, const float *xs, int nb,
-                             int blk, int idot, float *y) noexcept nogil:
+                             int blk, int idot, float *y, const uint8_t *xg, Py_ssize_t gstride) noexcept nogil:
     """Output columns o0 .. o0+n-1 (n <= GROUP_ROWS) of a group-scaled integer matmul for all S
     activation rows. One activation block (the default): the lane-form tile kernel on the n weight
     rows and up to 8 activation rows per call (decode: q1 and its residual q2 in one call, one pass
-    over the weights); several blocks: int_row_g per column. Each output is the same float as
-    int_row_g's, whatever S and n (the kernels are bit-identical per output)."""
+    over the weights), reading the activations' split forms xg (row p of xq at xg + p·gstride) when
+    given; several blocks: int_row_g per column. Each output is the same float as int_row_g's,
+    whatever S and n (the kernels are bit-identical per output, split or not)."""
     cdef float t1[GROUP_ROWS * 8]
     cdef float t2[GROUP_ROWS * 8]
     cdef int s0, R, r, p, I = W.I, O = W.O
-    cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb
+    cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb, goff2 = <Py_ssize_t>S * gstride
     if nb > 1:
         for r in range(n):
             int_row_g(W, o0 + r, S, xq, xs, nb, blk, idot, y)
         return
     if S == 1 and idot == IDOT_Q8X2:
-        tile_g(W, o0, n, xq, off2, xs, soff2, 2, t1)         # activation rows: q1, then q2
+        tile_g(W, o0, n, xq, off2, xg, goff2, xs, soff2, 2, t1)         # activation rows: q1, then q2
         for r in range(n):
             y[o0 + r] = t1[r] + t1[n + r]
         return
     for s0 in range(0, S, 8):
         R = S - s0 if S - s0 < 8 else 8
-        tile_g(W, o0, n, xq + <Py_ssize_t>s0 * I, I, xs + <Py_ssize_t>s0 * nb, nb, R, t1)
+        tile_g(W, o0, n, xq + <Py_ssize_t>s0 * I, I, (xg + s0 * gstride) if xg != NULL else NULL, gstride,
+               xs + <Py_ssize_t>s0 * nb, nb, R, t1)
         if idot == IDOT_Q8X2:
-            tile_g(W, o0, n, xq + off2 + <Py_ssize_t>s0 * I, I, xs + soff2 + <Py_ssize_t>s0 * nb, nb, R, t2)
+            tile_g(W, o0, n, xq + off2 + <Py_ssize_t>s0 * I, I, (xg + goff2 + s0 * gstride) if xg != NULL else NULL,
+                   gstride, xs + soff2 + <Py_ssize_t>s0 * nb, nb, R, t2)
         for p in range(R):
             for r in range(n):
                 y[<Py_ssize_t>(s0 + p) * O + o0 + r] = (t1[p * n + r] + t2[p * n + r]) if idot == IDOT_Q8X2 \
@@ -553,7 +576,8 @@ cdef inline int n_groups(int O) noexcept nogil:
 
 
 cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const float *xs, int nb, int blk,
-                           int idot, float *y, const int32_t *xsum=NULL) noexcept nogil:
+                           int idot, float *y, const int32_t *xsum=NULL, const uint8_t *xg=NULL,
+                           Py_ssize_t gstride=0) noexcept nogil:
     """Output columns GROUP_ROWS·grp .. (the group's rows < W.O) of an integer-path matmul for all
     S activation rows, prefetching the weights PREFETCH_GROUPS groups ahead. With the activations'
     block sums known (idot=2) the four-row kernels take two activation rows at a time (one pass
@@ -569,7 +593,7 @@ cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const
         coli_prefetch_row(W.q + <Py_ssize_t>ahead * W.rb,
                           (GROUP_ROWS if W.O - ahead > GROUP_ROWS else W.O - ahead) * W.rb)
     if W.gs > 0 and GROUP_KERNELS:
-        int_group_g(W, o0, n, S, xq, xs, nb, blk, idot, y)
+        int_group_g(W, o0, n, S, xq, xs, nb, blk, idot, y, xg if wants_split(W, nb) else NULL, gstride)
         return
     if n == GROUP_ROWS and idot == IDOT_Q8X2 and xsum != NULL and GROUP_KERNELS:
         # activation rows two at a time (verify and prefill batches), then the odd one (decode)
@@ -627,24 +651,30 @@ cdef inline void quant_rows(const float *x, int S, int I, int blk, int nb, int i
 
 
 cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
-                    int8_t *xq, float *xs, float *xr, int block, int idot, int32_t *xsum=NULL) noexcept nogil:
+                    int8_t *xq, float *xs, float *xr, int block, int idot, int32_t *xsum=NULL,
+                    uint8_t *xg=NULL) noexcept nogil:
     """y[S, O] = x[S, I] · Wᵀ. Each output element is computed by one thread, and a row's result
     does not depend on S, so batched verification computes exactly what single-row decode does.
 
     Integer paths (int8/int4 weights): x ≈ Σ_b xs_b · q_b per activation block; with IDOT_Q8X2 the
     residual x − xs·q is quantized again, so x ≈ xs·q + xs'·q' (error ~1/(127·254) of the block's
     max instead of 1/254) at the cost of a second integer dot.
-    Scratch: xq int8 [2·S·I], xs f32 [2·S·nblocks], xr f32 [I]."""
+    Scratch: xq int8 [2·S·I], xs f32 [2·S·nblocks], xr f32 [I]; xg (group-scaled int4 W; NULL:
+    none) [2·S·coli_split_len(I)] bytes for the activations' split forms."""
     cdef int O = W.O, I = W.I
     cdef int o, s, nb, blk
+    cdef Py_ssize_t gstride
     # Small products run on one thread: a parallel region costs more than it saves there.
     cdef int nt = 1 if <double>O * I * S < PARALLEL_MIN_MACS else coli_max_threads()
     if (W.fmt == FMT_I8 or W.fmt == FMT_I4) and idot != IDOT_FLOAT:
         nb = act_nblocks(I, block)
         blk = I if nb == 1 else block
         quant_rows(x, S, I, blk, nb, idot, xq, xs, xr, xsum)
+        gstride = coli_split_len(I)
+        if xg != NULL and wants_split(W, nb):
+            split_rows(xq, (2 if idot == IDOT_Q8X2 else 1) * S, I, xg, gstride)
         for o in prange(n_groups(O), schedule='static', nogil=True, num_threads=nt):
-            int_group(W, o, S, xq, xs, nb, blk, idot, y, xsum)
+            int_group(W, o, S, xq, xs, nb, blk, idot, y, xsum, xg, gstride)
         return
     for o in prange(O, schedule='static', nogil=True, num_threads=nt):
         for s in range(S):
@@ -656,7 +686,7 @@ cdef enum:
 
 
 cdef void matmul_many(const QTc **Ws, float **ys, int nW, const float *x, int S, int8_t *xq, float *xs,
-                      float *xr, int block, int idot, int32_t *xsum) noexcept nogil:
+                      float *xr, int block, int idot, int32_t *xsum, uint8_t *xg=NULL) noexcept nogil:
     """ys[k][S, O_k] = x[S, I] · W_kᵀ for nW (<= MANY_MAX) integer-format matrices of the same input
     width: x is quantized once and one parallel region covers the output groups of all of them
     (attention's input projections q_a, kv_a and the indexer's wk). Every output is computed as
@@ -671,12 +701,18 @@ cdef void matmul_many(const QTc **Ws, float **ys, int nW, const float *x, int S,
         macs += <double>Ws[k].O * I * S
     starts[nW] = total
     cdef int nt = 1 if macs < PARALLEL_MIN_MACS else coli_max_threads()
+    cdef Py_ssize_t gstride = coli_split_len(I)
+    cdef bint split = False
     quant_rows(x, S, I, blk, nb, idot, xq, xs, xr, xsum)
+    for k in range(nW):
+        split = split or wants_split(Ws[k], nb)
+    if xg != NULL and split:
+        split_rows(xq, (2 if idot == IDOT_Q8X2 else 1) * S, I, xg, gstride)
     for g in prange(total, schedule='static', nogil=True, num_threads=nt):
         k = 0
         while starts[k + 1] <= g:
             k = k + 1
-        int_group(Ws[k], g - starts[k], S, xq, xs, nb, blk, idot, ys[k], xsum)
+        int_group(Ws[k], g - starts[k], S, xq, xs, nb, blk, idot, ys[k], xsum, xg, gstride)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -704,6 +740,7 @@ cdef struct FfnJob:
     Py_ssize_t h0                       # its hidden g/u [nr, I]
     Py_ssize_t hq0, hs0                 # its quantized hidden [2·nr, I] and their scales
     Py_ssize_t y0                       # its down outputs [nr, D]
+    Py_ssize_t xg0, hg0                 # split forms of its quantized inputs / hidden (group-scaled int4)
 
 
 cdef inline int job_of(const FfnJob *jobs, int nj, int item, bint by_work) noexcept nogil:
@@ -722,7 +759,8 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
                     const int *urow, const float *uw, int block, int idot,
                     int8_t *xq, float *xs, float *g, float *u, int8_t *hq, float *hs, float *yd,
                     float *xr, Py_ssize_t xr_stride, float *out, int nt,
-                    int32_t *xm, int32_t *hm, bint accumulate=True) noexcept nogil:
+                    int32_t *xm, int32_t *hm, bint accumulate=True, uint8_t *xg=NULL, Py_ssize_t xgs=0,
+                    uint8_t *hg=NULL, Py_ssize_t hgs=0) noexcept nogil:
     """out[urow[p], :] += uw[p] · FFN_j(x[urow[p], :]) for every pair p of every job j, in job
     order (accumulate=False: only the FFN outputs, left in yd for ffn_accumulate). Five phases
     separated by barriers: quantize the inputs; gate and up rows of every FFN (one work item per
@@ -730,7 +768,8 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
     output columns of one FFN per item); the sums over the FFNs in job order. Each value is
     computed by one thread with the same kernels and the same order as the unfused path (matmul_qt
     per FFN, then out += w · y), so the results are bit-identical to it and independent of the
-    thread count."""
+    thread count. xg / hg (NULL: none): room for the split forms of the quantized inputs / hidden
+    rows (rows xgs / hgs bytes apart), made when a job's group-scaled int4 matrices read them."""
     cdef int p, w, o, k, j, r, i, t, nbD = act_nblocks(D, block)
     cdef int blkD = D if nbD == 1 else block
     cdef const FfnJob *J
@@ -744,15 +783,19 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
                       xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, xs + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD,
                       xr + t * xr_stride, (xm + J.xs0 + <Py_ssize_t>r * nbD) if xm != NULL else NULL,
                       (xm + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD) if xm != NULL else NULL)
+            if xg != NULL and (wants_split(J.gate, nbD) or wants_split(J.up, nbD)):
+                split_rows(xq + J.x0 + <Py_ssize_t>r * D, 1, D, xg + J.xg0 + r * xgs, xgs)
+                if idot == IDOT_Q8X2:
+                    split_rows(xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, 1, D, xg + J.xg0 + (J.nr + r) * xgs, xgs)
         for w in prange(nwork, schedule='static'):
             J = &jobs[job_of(jobs, nj, w, True)]
             k = w - J.w0
             if k < n_groups(J.I):
                 int_group(J.gate, k, J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, g + J.h0,
-                          (xm + J.xs0) if xm != NULL else NULL)
+                          (xm + J.xs0) if xm != NULL else NULL, (xg + J.xg0) if xg != NULL else NULL, xgs)
             else:
                 int_group(J.up, k - n_groups(J.I), J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, u + J.h0,
-                          (xm + J.xs0) if xm != NULL else NULL)
+                          (xm + J.xs0) if xm != NULL else NULL, (xg + J.xg0) if xg != NULL else NULL, xgs)
         for p in prange(npairs, schedule='static'):
             J = &jobs[job_of(jobs, nj, p, False)]
             r = p - J.row0
@@ -763,12 +806,16 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
                       hq + J.hq0 + <Py_ssize_t>(J.nr + r) * J.I, hs + J.hs0 + <Py_ssize_t>(J.nr + r) * J.nbI,
                       xr + t * xr_stride, (hm + J.hs0 + <Py_ssize_t>r * J.nbI) if hm != NULL else NULL,
                       (hm + J.hs0 + <Py_ssize_t>(J.nr + r) * J.nbI) if hm != NULL else NULL)
+            if hg != NULL and wants_split(J.down, J.nbI):
+                split_rows(hq + J.hq0 + <Py_ssize_t>r * J.I, 1, J.I, hg + J.hg0 + r * hgs, hgs)
+                if idot == IDOT_Q8X2:
+                    split_rows(hq + J.hq0 + <Py_ssize_t>(J.nr + r) * J.I, 1, J.I, hg + J.hg0 + (J.nr + r) * hgs, hgs)
         # down rows job by job (one weight stream at a time: interleaving the jobs' streams ran
         # ~20% slower from RAM), then the sums over the jobs in job order
         for w in prange(nj * n_groups(D), schedule='static'):
             J = &jobs[w // n_groups(D)]
             int_group(J.down, w % n_groups(D), J.nr, hq + J.hq0, hs + J.hs0, J.nbI, J.blkI, idot, yd + J.y0,
-                      (hm + J.hs0) if hm != NULL else NULL)
+                      (hm + J.hs0) if hm != NULL else NULL, (hg + J.hg0) if hg != NULL else NULL, hgs)
         if accumulate:
             for i in prange(D, schedule='static'):
                 add_ffn_outputs(jobs, NULL, nj, urow, uw, False, D, yd, out, i)
@@ -803,7 +850,7 @@ cdef class FfnScratch:
     """Buffers of a fused FFN group: up to max_jobs FFNs over max_pairs (FFN, row) pairs."""
     cdef FfnJob *jobs
     cdef public int max_jobs, max_pairs, D, I
-    cdef public object xq, xs, g, u, hq, hs, yd, xr, urow, uw, xm, hm
+    cdef public object xq, xs, g, u, hq, hs, yd, xr, urow, uw, xm, hm, xg, hg
     # raw pointers into the arrays above (kept alive by this object): no buffer acquisition per call
     cdef int8_t *p_xq
     cdef int8_t *p_hq
@@ -817,7 +864,9 @@ cdef class FfnScratch:
     cdef int *p_urow
     cdef int32_t *p_xm
     cdef int32_t *p_hm
-    cdef Py_ssize_t xr_stride
+    cdef uint8_t *p_xg
+    cdef uint8_t *p_hg
+    cdef Py_ssize_t xr_stride, xgs, hgs
 
     def __cinit__(self, int max_jobs, int max_pairs, int D, int I, int nt):
         self.jobs = <FfnJob *>malloc(max_jobs * sizeof(FfnJob))
@@ -832,6 +881,9 @@ cdef class FfnScratch:
         self.hs = np.zeros(2 * max_pairs * I, np.float32)
         self.xm = np.zeros(2 * max_pairs * D, np.int32)       # block sums of xq / hq (same layout as xs / hs)
         self.hm = np.zeros(2 * max_pairs * I, np.int32)
+        self.xgs, self.hgs = coli_split_len(D), coli_split_len(I)   # split rows of xq / hq (group-scaled int4)
+        self.xg = np.zeros(2 * max_pairs * self.xgs, np.uint8)
+        self.hg = np.zeros(2 * max_pairs * self.hgs, np.uint8)
         self.yd = np.zeros(max_pairs * D, np.float32)
         self.xr = np.zeros((max(nt, 1), max(D, I)), np.float32)
         self.urow = np.zeros(max_pairs, np.int32)
@@ -841,9 +893,11 @@ cdef class FfnScratch:
         cdef float[:, ::1] xr = self.xr
         cdef int[::1] urow = self.urow
         cdef int32_t[::1] xm = self.xm, hm = self.hm
+        cdef uint8_t[::1] xg = self.xg, hg = self.hg
         self.p_xq, self.p_hq, self.p_xs, self.p_g, self.p_u = &xq[0], &hq[0], &xs[0], &g[0], &u[0]
         self.p_hs, self.p_yd, self.p_xr, self.p_uw, self.p_urow = &hs[0], &yd[0], &xr[0, 0], &uw[0], &urow[0]
         self.p_xm, self.p_hm = &xm[0], &hm[0]
+        self.p_xg, self.p_hg = &xg[0], &hg[0]
         self.xr_stride = xr.shape[1]
 
     def __dealloc__(self):
@@ -1101,12 +1155,15 @@ def matmul(QT W, x, int block=0, int idot=IDOT_Q8X2):
     xs = np.empty(2 * S * act_nblocks(W.c.I, block), np.float32)
     xr = np.empty(W.c.I, np.float32)
     xm = np.empty(2 * S * act_nblocks(W.c.I, block), np.int32)
+    xg = np.empty(2 * S * coli_split_len(W.c.I), np.uint8)
     cdef float[:, ::1] xv = x
     cdef float[:, ::1] yv = y
     cdef int8_t[::1] qv = xq
     cdef float[::1] sv = xs, rv = xr
     cdef int32_t[::1] mv = xm
-    matmul_qt(&W.c, &xv[0, 0], S, &yv[0, 0], &qv[0], &sv[0], &rv[0], block, idot, &mv[0] if BLOCK_SUMS else NULL)
+    cdef uint8_t[::1] gv = xg
+    matmul_qt(&W.c, &xv[0, 0], S, &yv[0, 0], &qv[0], &sv[0], &rv[0], block, idot, &mv[0] if BLOCK_SUMS else NULL,
+              &gv[0])
     return y
 
 
@@ -1250,6 +1307,7 @@ cdef class Model:
     cdef public bint pilot                        # router-lookahead prefetch of layer L+1's experts
     cdef public bint direct                       # O_DIRECT reads of expert payloads
     cdef object _direct_fds, _io, _slabs
+    cdef object _gsplit                           # split activation rows for group-scaled int4 (see _split_scratch)
     # Counters
     cdef public long long bytes_read, forwards, decode_forwards, emitted
     cdef public object trace                      # None, or a list that collects (forward, layer, rows, experts)
@@ -1539,14 +1597,27 @@ cdef class Model:
         self._ws = ws
         return ws
 
+    def _split_scratch(self, int S, int I):
+        """Room for the split forms of 2·S activation rows of width I (group-scaled int4 matmuls,
+        coli_split_q8), grown as needed and kept."""
+        n = 2 * S * coli_split_len(I)
+        if self._gsplit is None or self._gsplit.shape[0] < n:
+            self._gsplit = np.zeros(n, np.uint8)
+        return self._gsplit
+
     cdef int _mm(self, QT W, const float *x, int S, float *y, Work ws) except -1:
         """y[S, O] = x[S, I] · Wᵀ with the GIL released; the scratch must hold S rows of W's width."""
+        cdef uint8_t[::1] gb
+        cdef uint8_t *xg = NULL
         if 2 * <Py_ssize_t>S * W.c.I > ws.xq.shape[0] or W.c.I > ws.xr.shape[0]:
             raise EngineError(f"matmul of {S} rows x {W.c.I} inputs exceeds the activation scratch "
                               f"({ws.xq.shape[0] // 2} values)")
+        if W.c.gs > 0 and W.c.fmt == FMT_I4:
+            gb = self._split_scratch(S, W.c.I)
+            xg = &gb[0]
         with nogil:
             matmul_qt(&W.c, x, S, y, &ws.xq[0], &ws.xs[0], &ws.xr[0], self.act_block, self.idot,
-                      &ws.xm[0] if BLOCK_SUMS else NULL)
+                      &ws.xm[0] if BLOCK_SUMS else NULL, xg)
         return 0
 
     cdef int _mm_many(self, list Ws, const float *x, int S, list outs, Work ws) except -1:
@@ -1555,6 +1626,7 @@ cdef class Model:
         cdef const QTc *cs[MANY_MAX]
         cdef float *ys[MANY_MAX]
         cdef float[:, ::1] o
+        cdef uint8_t[::1] gb
         cdef int k, nW = len(Ws)
         if not 0 < nW <= MANY_MAX or len(outs) != nW:
             raise EngineError("matmul_many: 1 to 4 matrices, one output each")
@@ -1567,9 +1639,10 @@ cdef class Model:
             ys[k] = &o[0, 0]
         if 2 * <Py_ssize_t>S * cs[0].I > ws.xq.shape[0] or cs[0].I > ws.xr.shape[0]:
             raise EngineError(f"matmul of {S} rows x {cs[0].I} inputs exceeds the activation scratch")
+        gb = self._split_scratch(S, cs[0].I)
         with nogil:
             matmul_many(cs, ys, nW, x, S, &ws.xq[0], &ws.xs[0], &ws.xr[0], self.act_block, self.idot,
-                        &ws.xm[0] if BLOCK_SUMS else NULL)
+                        &ws.xm[0] if BLOCK_SUMS else NULL, &gb[0])
         return 0
 
     # -- forward -------------------------------------------------------------------------------
@@ -1775,6 +1848,7 @@ cdef class Model:
             J.blkI = J.I if J.nbI == 1 else self.act_block
             J.x0, J.xs0, J.y0 = 2 * row0 * D, 2 * row0 * nbD, row0 * D
             J.h0, J.hq0, J.hs0 = row0 * W, 2 * row0 * W, 2 * row0 * W
+            J.xg0, J.hg0 = 2 * row0 * fs.xgs, 2 * row0 * fs.hgs
             h += nr * J.I
             nwork += 2 * n_groups(J.I)
         cdef double macs = 3.0 * <double>h * D
@@ -1784,7 +1858,7 @@ cdef class Model:
             ffn_group(fs.jobs + j0, nj, npairs, nwork, &n[0, 0], D, fs.p_urow + p0, fs.p_uw + p0, block,
                       idot, fs.p_xq, fs.p_xs, fs.p_g, fs.p_u, fs.p_hq, fs.p_hs, fs.p_yd, fs.p_xr,
                       fs.xr_stride, &out[0, 0], nt, fs.p_xm if BLOCK_SUMS else NULL,
-                      fs.p_hm if BLOCK_SUMS else NULL, accumulate)
+                      fs.p_hm if BLOCK_SUMS else NULL, accumulate, fs.p_xg, fs.xgs, fs.p_hg, fs.hgs)
 
     def _ffn_accumulate(self, order, float[:, ::1] out):
         """out += the outputs of the scratch's jobs, in the job slots' order `order` (see
@@ -2046,9 +2120,10 @@ cdef class Model:
         cdef int8_t[::1] qv = xq
         cdef float[::1] sv = xs, rv = xr
         cdef int32_t[::1] mv = xm
+        cdef uint8_t[::1] gb = self._split_scratch(S, self.cfg.hidden)
         with nogil:
             matmul_qt(&self.lm_head.c, &hv[0, 0], S, &lv[0, 0], &qv[0], &sv[0], &rv[0], self.act_block, self.idot,
-                      &mv[0] if BLOCK_SUMS else NULL)
+                      &mv[0] if BLOCK_SUMS else NULL, &gb[0])
         if np.isnan(logits).any():
             raise EngineError("NaN in the logits (non-finite activations or weights)")
         return logits

@@ -73,6 +73,37 @@ static inline float coli_lanes_sum16(const float *a)
     return (t4[0] + t4[2]) + (t4[1] + t4[3]);
 }
 
+/* The split form of a Q8 activation row for the AVX-512 int4 tile: per 128-input block b, at
+ * xg + COLI_SPLIT_BYTES * b, the block's even inputs (64 bytes: byte k = input 2k), its odd inputs
+ * (64 bytes), then -8 * the lane sums of the block (16 int32: lane l = inputs 8l .. 8l+7); zeros
+ * past n. Made once per activation row (coli_split_q8), read by every tile of the matmul. */
+#define COLI_SPLIT_BYTES 192
+
+static inline long coli_split_len(int n) { return (long)((n + 127) / 128) * COLI_SPLIT_BYTES; }
+
+static inline void coli_split_q8_ref(const int8_t *q, int n, uint8_t *xg)
+{
+    for (int b = 0, i0 = 0; i0 < n; b++, i0 += 128) {
+        int8_t *xe = (int8_t *)(xg + (long)b * COLI_SPLIT_BYTES), *xo = xe + 64;
+        int32_t nc[16] = {0};
+        for (int k = 0; k < 64; k++) {
+            xe[k] = i0 + 2 * k < n ? q[i0 + 2 * k] : 0;
+            xo[k] = i0 + 2 * k + 1 < n ? q[i0 + 2 * k + 1] : 0;
+            nc[k >> 2] -= 8 * (xe[k] + xo[k]);
+        }
+        for (int l = 0; l < 16; l++) /* as bytes: little-endian int32 */
+            for (int k = 0; k < 4; k++)
+                xg[(long)b * COLI_SPLIT_BYTES + 128 + 4 * l + k] = (uint8_t)((uint32_t)nc[l] >> (8 * k));
+    }
+}
+
+/* scalar and AVX2 tiles read the activations as they are: no split (returns 0) */
+static inline int coli_split_q8_scalar(const int8_t *q, int n, uint8_t *xg)
+{
+    (void)q; (void)n; (void)xg;
+    return 0;
+}
+
 /* ================================ scalar (the definition) ================================ */
 
 static inline int coli_wval_i8(const int8_t *w, int i) { return w[i]; }
@@ -96,9 +127,11 @@ static inline int coli_wval_i4(const uint8_t *w, int i) { return ((i & 1) ? (w[i
     }                                                                                              \
     static inline void coli_rowdotg_##kind##_tile_scalar(const WT *w, long rb, int nw, const float *ws, \
                                                          long wstride, int gs, const int8_t *q,    \
-                                                         long qstride, const float *xs, long sstride, \
-                                                         int P, int n, float *out)                 \
+                                                         long qstride, const uint8_t *xg, long gstride, \
+                                                         const float *xs, long sstride, int P, int n, \
+                                                         float *out)                               \
     {                                                                                              \
+        (void)xg; (void)gstride;                                                                   \
         for (int p = 0; p < P; p++)                                                                \
             for (int r = 0; r < nw; r++)                                                           \
                 out[p * nw + r] = coli_mul_pinned(xs[(long)p * sstride],                           \
@@ -214,9 +247,11 @@ COLI_AVX2 static inline __m256i coli_lanes32_avx2(__m256i aw, __m256i sw, const 
     }                                                                                              \
     COLI_AVX2 static inline void coli_rowdotg_##kind##_tile_avx2(const WT *w, long rb, int nw, const float *ws, \
                                                                  long wstride, int gs, const int8_t *q, \
-                                                                 long qstride, const float *xs, long sstride, \
-                                                                 int P, int n, float *out)         \
+                                                                 long qstride, const uint8_t *xg, long gstride, \
+                                                                 const float *xs, long sstride, int P, int n, \
+                                                                 float *out)                       \
     {                                                                                              \
+        (void)xg; (void)gstride;                                                                   \
         for (int r = 0; r < nw; r++)                                                               \
             for (int p = 0; p < P; p += 2) {                                                       \
                 const int8_t *qp[2] = {q + p * qstride, q + (p + 1 < P ? p + 1 : p) * qstride};    \
@@ -230,6 +265,12 @@ COLI_AVX2 static inline __m256i coli_lanes32_avx2(__m256i aw, __m256i sw, const 
             }                                                                                      \
     }
 COLI_GROUP_LANES_AVX2(i8, int8_t)
+
+COLI_AVX2 static inline int coli_split_q8_avx2(const int8_t *q, int n, uint8_t *xg)
+{
+    (void)q; (void)n; (void)xg;
+    return 0;
+}
 
 /* int4: lanes of 8 inputs. 64 inputs (one half of a 128-input block) as 8 lanes in order: the two
  * 32-input halves give 8 lanes of 4 each (A, B); hadd pairs them into lanes of 8 in the order
@@ -305,8 +346,10 @@ COLI_AVX2 static COLI_ALWAYS_INLINE void coli_lanes_i4_avx2_k(const uint8_t *w, 
 
 COLI_AVX2 static inline void coli_rowdotg_i4_tile_avx2(const uint8_t *w, long rb, int nw, const float *ws,
                                                        long wstride, int gs, const int8_t *q, long qstride,
-                                                       const float *xs, long sstride, int P, int n, float *out)
+                                                       const uint8_t *xg, long gstride, const float *xs,
+                                                       long sstride, int P, int n, float *out)
 {
+    (void)xg; (void)gstride;
     for (int r = 0; r < nw; r++)
         for (int p = 0; p < P; p += 2) {
             const int8_t *qp[2] = {q + p * qstride, q + (p + 1 < P ? p + 1 : p) * qstride};
@@ -446,25 +489,36 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_x128_split_avx512(const int8_t *
 
 /* one 128-input block of NW int4 weight rows (row r's block at w + r*rb, 64 packed bytes; rem < 128:
  * ceil(rem/2) bytes) against P split activation rows: d[p][r] (+)= low nibbles . even inputs +
- * high nibbles . odd inputs (the stored u = v + 8; first: d starts at -8 * the lane sums of x, else
- * those sums go into c for the group's end) */
+ * high nibbles . odd inputs (the stored u = v + 8), corrected by nc = -8 * the lane sums of the
+ * block's activations: the group's first block starts d at nc, later blocks add nc into c for the
+ * group's end. SPLIT: the activations come split (coli_split_q8: xg + p*gstride, this block's
+ * 192 bytes), else they are split here. */
 COLI_AVX512 static COLI_ALWAYS_INLINE void coli_l8_block_avx512(const uint8_t *w, long rb, const int8_t *q,
-                                                                long qstride, int rem, const int NW, const int P,
-                                                                const int first, __m512i (*d)[4], __m512i *c)
+                                                                long qstride, const uint8_t *xg, long gstride,
+                                                                int rem, const int NW, const int P,
+                                                                const int SPLIT, const int first,
+                                                                __m512i (*d)[4], __m512i *c)
 {
     const __m512i one8 = _mm512_set1_epi8(1), z = _mm512_setzero_si512(), m4 = _mm512_set1_epi8(0x0F);
     __m512i xe[2], xo[2];
     COLI_UNROLL_G
     for (int p = 0; p < P; p++) {
-        coli_x128_split_avx512(q + p * qstride, rem, &xe[p], &xo[p]);
-        __m512i sx = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, one8, xe[p]), one8, xo[p]);
+        __m512i nc;
+        if (SPLIT) {
+            xe[p] = _mm512_loadu_si512(xg + p * gstride);
+            xo[p] = _mm512_loadu_si512(xg + p * gstride + 64);
+            nc = _mm512_loadu_si512(xg + p * gstride + 128);
+        } else {
+            coli_x128_split_avx512(q + p * qstride, rem, &xe[p], &xo[p]);
+            nc = _mm512_sub_epi32(z, _mm512_slli_epi32(
+                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, one8, xe[p]), one8, xo[p]), 3));
+        }
         if (first) {
-            __m512i nc = _mm512_sub_epi32(z, _mm512_slli_epi32(sx, 3));
             COLI_UNROLL_G
             for (int r = 0; r < NW; r++)
                 d[p][r] = nc;
         } else {
-            c[p] = _mm512_add_epi32(c[p], sx);
+            c[p] = _mm512_add_epi32(c[p], nc);
         }
     }
     COLI_UNROLL_G
@@ -484,19 +538,23 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_l8_block_avx512(const uint8_t *w
  * them before its fma. res[p*4 + r] = R16(A). */
 COLI_AVX512 static COLI_ALWAYS_INLINE void coli_l8_tile_k_avx512(const uint8_t *w, long rb, const float *ws,
                                                                  long wstride, int gs, const int8_t *q,
-                                                                 long qstride, int n, const int NW, const int P,
+                                                                 long qstride, const uint8_t *xg, long gstride,
+                                                                 int n, const int NW, const int P, const int SPLIT,
                                                                  float *res)
 {
     __m512 a[2][4];
     __m512i d[2][4], c[2];
     for (int p = 0; p < P; p++)
         COLI_UNROLL_G
-        for (int r = 0; r < NW; r++)
+        for (int r = 0; r < NW; r++) {
             a[p][r] = _mm512_setzero_ps();
+            d[p][r] = _mm512_setzero_si512(); /* (set by each group's first block) */
+        }
     if (gs == 64) {
         int i = 0, g = 0;
         for (; i + 128 <= n; i += 128, g += 2) { /* whole blocks: two groups each */
-            coli_l8_block_avx512(w + i / 2, rb, q + i, qstride, 128, NW, P, 1, d, c);
+            coli_l8_block_avx512(w + i / 2, rb, q + i, qstride, xg + i / 128 * COLI_SPLIT_BYTES, gstride, 128, NW, P,
+                                 SPLIT, 1, d, c);
             COLI_UNROLL_G
             for (int r = 0; r < NW; r++) {
                 __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(ws[r * wstride + g]),
@@ -507,7 +565,8 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_l8_tile_k_avx512(const uint8_t *
             }
         }
         if (i < n) { /* the row's last block, partial: one group, or two with the second partial */
-            coli_l8_block_avx512(w + i / 2, rb, q + i, qstride, n - i, NW, P, 1, d, c);
+            coli_l8_block_avx512(w + i / 2, rb, q + i, qstride, xg + i / 128 * COLI_SPLIT_BYTES, gstride, n - i, NW,
+                                 P, SPLIT, 1, d, c);
             int g1 = i + 64 < n ? g + 1 : g; /* one group: its high lanes hold D = 0 */
             for (int r = 0; r < NW; r++) {
                 __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(ws[r * wstride + g]),
@@ -523,17 +582,18 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_l8_tile_k_avx512(const uint8_t *
                 c[p] = _mm512_setzero_si512();
             for (int i = i0; i < end; i += 128) {
                 if (i + 128 <= end)
-                    coli_l8_block_avx512(w + i / 2, rb, q + i, qstride, 128, NW, P, i == i0, d, c);
+                    coli_l8_block_avx512(w + i / 2, rb, q + i, qstride, xg + i / 128 * COLI_SPLIT_BYTES, gstride, 128,
+                                         NW, P, SPLIT, i == i0, d, c);
                 else
-                    coli_l8_block_avx512(w + i / 2, rb, q + i, qstride, end - i, NW, P, i == i0, d, c);
+                    coli_l8_block_avx512(w + i / 2, rb, q + i, qstride, xg + i / 128 * COLI_SPLIT_BYTES, gstride,
+                                         end - i, NW, P, SPLIT, i == i0, d, c);
             }
             COLI_UNROLL_G
             for (int r = 0; r < NW; r++) {
                 __m512 sv = _mm512_set1_ps(ws[r * wstride + g]);
                 COLI_UNROLL_G
                 for (int p = 0; p < P; p++)
-                    a[p][r] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(_mm512_sub_epi32(d[p][r], _mm512_slli_epi32(c[p], 3))),
-                                              a[p][r]);
+                    a[p][r] = _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(_mm512_add_epi32(d[p][r], c[p])), a[p][r]);
             }
         }
     }
@@ -543,14 +603,30 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_l8_tile_k_avx512(const uint8_t *
             res[p * 4 + r] = coli_lanes_sum16_avx512(a[p][r]);
 }
 
+/* the split form (COLI_SPLIT_BYTES) of a Q8 row for the tiles below; returns 1 */
+COLI_AVX512 static inline int coli_split_q8_avx512(const int8_t *q, int n, uint8_t *xg)
+{
+    const __m512i one8 = _mm512_set1_epi8(1), z = _mm512_setzero_si512();
+    for (int i = 0; i < n; i += 128, xg += COLI_SPLIT_BYTES) {
+        __m512i xe, xo;
+        coli_x128_split_avx512(q + i, n - i, &xe, &xo);
+        _mm512_storeu_si512(xg, xe);
+        _mm512_storeu_si512(xg + 64, xo);
+        _mm512_storeu_si512(xg + 128, _mm512_sub_epi32(z, _mm512_slli_epi32(
+            _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, one8, xe), one8, xo), 3)));
+    }
+    return 1;
+}
+
 #define COLI_TILE_CASE(NW_, P_)                                                                    \
-    (is4 ? coli_l8_tile_k_avx512(wb, rb, ws, wstride, gs, qp, qstride, n, NW_, P_, res)              \
-         : coli_lanes_tile_k_avx512(wb, rb, ws, wstride, gs, qp, qstride, n, NW_, P_, 0, res))
+    (!is4 ? coli_lanes_tile_k_avx512(wb, rb, ws, wstride, gs, qp, qstride, n, NW_, P_, 0, res)       \
+     : xg ? coli_l8_tile_k_avx512(wb, rb, ws, wstride, gs, qp, qstride, xg + p0 * gstride, gstride, n, NW_, P_, 1, res) \
+          : coli_l8_tile_k_avx512(wb, rb, ws, wstride, gs, qp, qstride, xg, gstride, n, NW_, P_, 0, res))
 
 COLI_AVX512 static inline void coli_rowdotg_tile_avx512(const uint8_t *wb, long rb, int nw, const float *ws,
                                                         long wstride, int gs, const int8_t *q, long qstride,
-                                                        const float *xs, long sstride, int P, int n, float *out,
-                                                        const int is4)
+                                                        const uint8_t *xg, long gstride, const float *xs,
+                                                        long sstride, int P, int n, float *out, const int is4)
 {
     for (int p0 = 0; p0 < P; p0 += 2) {
         const int8_t *qp = q + p0 * qstride;
@@ -576,16 +652,19 @@ COLI_AVX512 static inline void coli_rowdotg_tile_avx512(const uint8_t *wb, long 
 
 COLI_AVX512 static inline void coli_rowdotg_i4_tile_avx512(const uint8_t *w, long rb, int nw, const float *ws,
                                                            long wstride, int gs, const int8_t *q, long qstride,
-                                                           const float *xs, long sstride, int P, int n, float *out)
+                                                           const uint8_t *xg, long gstride, const float *xs,
+                                                           long sstride, int P, int n, float *out)
 {
-    coli_rowdotg_tile_avx512(w, rb, nw, ws, wstride, gs, q, qstride, xs, sstride, P, n, out, 1);
+    coli_rowdotg_tile_avx512(w, rb, nw, ws, wstride, gs, q, qstride, xg, gstride, xs, sstride, P, n, out, 1);
 }
 
 COLI_AVX512 static inline void coli_rowdotg_i8_tile_avx512(const int8_t *w, long rb, int nw, const float *ws,
                                                            long wstride, int gs, const int8_t *q, long qstride,
-                                                           const float *xs, long sstride, int P, int n, float *out)
+                                                           const uint8_t *xg, long gstride, const float *xs,
+                                                           long sstride, int P, int n, float *out)
 {
-    coli_rowdotg_tile_avx512((const uint8_t *)w, rb, nw, ws, wstride, gs, q, qstride, xs, sstride, P, n, out, 0);
+    coli_rowdotg_tile_avx512((const uint8_t *)w, rb, nw, ws, wstride, gs, q, qstride, NULL, gstride, xs, sstride,
+                             P, n, out, 0);
 }
 #endif /* COLI_X86 */
 
@@ -616,7 +695,7 @@ COLI_AVX512 static inline void coli_rowdotg_i8_tile_avx512(const int8_t *w, long
         int bl = coli_block_len(n, block);                                                         \
         float acc = 0.0f;                                                                          \
         if (bl == n) { /* one activation block: the lane form */                                  \
-            coli_rowdotg_##kind##_tile_##sfx(w, 0, 1, ws, 0, gs, q, 0, xs, 0, 1, n, &acc);         \
+            coli_rowdotg_##kind##_tile_##sfx(w, 0, 1, ws, 0, gs, q, 0, NULL, 0, xs, 0, 1, n, &acc); \
             return acc;                                                                            \
         }                                                                                          \
         for (int i = 0, b = 0; i < n; i += bl, b++) {                                              \
@@ -632,7 +711,7 @@ COLI_AVX512 static inline void coli_rowdotg_i8_tile_avx512(const int8_t *w, long
                                                              int n, int block, float *out)          \
     {                                                                                              \
         if (coli_block_len(n, block) == n) {                                                       \
-            coli_rowdotg_##kind##_tile_##sfx(w, 0, 1, ws, 0, gs, q, qstride, xs, sstride, R, n, out); \
+            coli_rowdotg_##kind##_tile_##sfx(w, 0, 1, ws, 0, gs, q, qstride, NULL, 0, xs, sstride, R, n, out); \
             return;                                                                                \
         }                                                                                          \
         for (int r = 0; r < R; r++)                                                                \

@@ -85,9 +85,12 @@ typedef struct coli_kernel_table {
     void (*rowdotg_i4_rows)(const uint8_t *w_packed, const float *ws, int gs, const int8_t *q, long qstride,
                             const float *xs, long sstride, int R, int n, int block, float *out);
     void (*rowdotg_i8_tile)(const int8_t *w, long rb, int nw, const float *ws, long wstride, int gs,
-                            const int8_t *q, long qstride, const float *xs, long sstride, int P, int n, float *out);
+                            const int8_t *q, long qstride, const uint8_t *xg, long gstride, const float *xs,
+                            long sstride, int P, int n, float *out);
     void (*rowdotg_i4_tile)(const uint8_t *w_packed, long rb, int nw, const float *ws, long wstride, int gs,
-                            const int8_t *q, long qstride, const float *xs, long sstride, int P, int n, float *out);
+                            const int8_t *q, long qstride, const uint8_t *xg, long gstride, const float *xs,
+                            long sstride, int P, int n, float *out);
+    int (*split_q8)(const int8_t *q, int n, uint8_t *xg);
     void (*dotsg_q8f32)(const float *x, int n, const int8_t *w, long rb, const float *ws, long wstride, int gs,
                         int nrows, float *out);
     void (*dotsg_q4f32)(const float *x, int n, const uint8_t *w_packed, long rb, const float *ws, long wstride,
@@ -105,7 +108,7 @@ typedef struct coli_kernel_table {
       coli_axpy_rows_q8f32_##sfx, coli_axpy_rows_q4f32_##sfx, coli_dots_f32_##sfx,            \
       coli_dots_q8f32_##sfx, coli_dots_q4f32_##sfx, coli_rowdotg_i8_##sfx, coli_rowdotg_i4_##sfx, \
       coli_rowdotg_i8_rows_##sfx, coli_rowdotg_i4_rows_##sfx, coli_rowdotg_i8_tile_##sfx,          \
-      coli_rowdotg_i4_tile_##sfx, coli_dotsg_q8f32_##sfx, coli_dotsg_q4f32_##sfx }
+      coli_rowdotg_i4_tile_##sfx, coli_split_q8_##sfx, coli_dotsg_q8f32_##sfx, coli_dotsg_q4f32_##sfx }
 
 static const coli_kernel_table coli_kernels_by_isa[] = {
     COLI_KERNEL_TABLE(COLI_ISA_SCALAR, scalar),
@@ -387,19 +390,33 @@ static inline void coli_rowdotg_i4_rows(const uint8_t *w_packed, const float *ws
 /* Lane form for a tile of nw (1..4) weight rows (w + r*rb, scales ws + r*wstride) and P activation
  * rows (q + p*qstride, one scale xs[p*sstride] each): out[p*nw + r] = coli_rowdotg_*(w + r*rb,
  * ws + r*wstride, gs, q + p*qstride, xs + p*sstride, n, n), bit-identical; the decode matmuls'
- * unit of work for group-scaled matrices. */
+ * unit of work for group-scaled matrices. xg (int4; NULL = none): the activation rows' split
+ * forms, row p at xg + p*gstride, as coli_split_q8 wrote them (when it returned 1). */
 static inline void coli_rowdotg_i8_tile(const int8_t *w, long rb, int nw, const float *ws, long wstride, int gs,
-                                        const int8_t *q, long qstride, const float *xs, long sstride, int P, int n,
-                                        float *out)
+                                        const int8_t *q, long qstride, const uint8_t *xg, long gstride,
+                                        const float *xs, long sstride, int P, int n, float *out)
 {
-    coli_kt.rowdotg_i8_tile(w, rb, nw, ws, wstride, gs, q, qstride, xs, sstride, P, n, out);
+    coli_kt.rowdotg_i8_tile(w, rb, nw, ws, wstride, gs, q, qstride, xg, gstride, xs, sstride, P, n, out);
 }
 
 static inline void coli_rowdotg_i4_tile(const uint8_t *w_packed, long rb, int nw, const float *ws, long wstride,
-                                        int gs, const int8_t *q, long qstride, const float *xs, long sstride, int P,
-                                        int n, float *out)
+                                        int gs, const int8_t *q, long qstride, const uint8_t *xg, long gstride,
+                                        const float *xs, long sstride, int P, int n, float *out)
 {
-    coli_kt.rowdotg_i4_tile(w_packed, rb, nw, ws, wstride, gs, q, qstride, xs, sstride, P, n, out);
+    coli_kt.rowdotg_i4_tile(w_packed, rb, nw, ws, wstride, gs, q, qstride, xg, gstride, xs, sstride, P, n, out);
+}
+
+/* The split form of one Q8 activation row (coli_split_len(n) bytes at xg) for the active ISA's int4
+ * tile; returns 0 (nothing written) when the tile reads the activations as they are. */
+static inline int coli_split_q8(const int8_t *q, int n, uint8_t *xg)
+{
+    return coli_kt.split_q8(q, n, xg);
+}
+
+/* whether the active ISA's int4 tile reads split activations (coli_split_q8 writes them) */
+static inline int coli_split_active(void)
+{
+    return coli_kt.split_q8(NULL, 0, NULL);
 }
 
 /* float path of group-scaled rows: out[r] = sum_g coli_dot_*f32(group g of row r, x) * ws[r*wstride + g]

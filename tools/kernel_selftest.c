@@ -499,9 +499,14 @@ static void check_tile(int isa, int n, int mode)
             ws[i] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
         for (size_t i = 0; i < slen; i++)
             xs[i] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
+        /* the activation rows' split forms (the reference splitter), rows gstride bytes apart */
+        long gstride = coli_split_len(n) + 64;
+        uint8_t *xg = galloc((size_t)(4 * gstride + coli_split_len(n)));
+        for (int p = 0; p < 5; p++)
+            coli_split_q8_ref(q + p * qstride, n, xg + p * gstride);
         for (int nw = 1; nw <= 4; nw++)
             for (int P = 1; P <= 5; P++)
-                for (int t = 0; t < 2; t++) {
+                for (int t = 0; t < 3; t++) { /* int8, int4, int4 with the split activations */
                     /* the tile placed so that its last weight row ends at the guard page */
                     const int8_t *a8 = w8 + (3 - (nw - 1)) * rb8;
                     const uint8_t *a4 = w4 + (3 - (nw - 1)) * rb4;
@@ -510,10 +515,13 @@ static void check_tile(int isa, int n, int mode)
                     const float *axs = xs + (4 - (P - 1)) * sstride;
                     for (int k = 0; k <= 4 * 5; k++)
                         out[k] = -12345.0f;
+                    const uint8_t *axg = xg + (4 - (P - 1)) * gstride;
                     if (t == 0)
-                        coli_rowdotg_i8_tile(a8, rb8, nw, aws, wstride, gs, aq, qstride, axs, sstride, P, n, out);
+                        coli_rowdotg_i8_tile(a8, rb8, nw, aws, wstride, gs, aq, qstride, NULL, 0, axs, sstride, P, n,
+                                             out);
                     else
-                        coli_rowdotg_i4_tile(a4, rb4, nw, aws, wstride, gs, aq, qstride, axs, sstride, P, n, out);
+                        coli_rowdotg_i4_tile(a4, rb4, nw, aws, wstride, gs, aq, qstride, t == 2 ? axg : NULL, gstride,
+                                             axs, sstride, P, n, out);
                     for (int p = 0; p < P; p++)
                         for (int r = 0; r < nw; r++) {
                             float want = t ? coli_rowdotg_i4_scalar(a4 + r * rb4, aws + r * wstride, gs,
@@ -521,11 +529,19 @@ static void check_tile(int isa, int n, int mode)
                                            : coli_rowdotg_i8_scalar(a8 + r * rb8, aws + r * wstride, gs,
                                                                     aq + p * qstride, axs + p * sstride, n, n);
                             CHECK(same_bits(out[p * nw + r], want), "rowdotg_%s_tile isa=%d n=%d gs=%d nw=%d P=%d "
-                                  "r=%d p=%d got %.9g want %.9g", t ? "i4" : "i8", isa, n, gs, nw, P, r, p,
-                                  out[p * nw + r], want);
+                                  "r=%d p=%d got %.9g want %.9g", t == 2 ? "i4 split" : t ? "i4" : "i8", isa, n, gs,
+                                  nw, P, r, p, out[p * nw + r], want);
                         }
                     CHECK(out[P * nw] == -12345.0f, "rowdotg_tile wrote past out isa=%d n=%d", isa, n);
                 }
+        /* the dispatched splitter writes the reference's bytes, or nothing */
+        if (coli_split_q8(q, n, xg + 4 * gstride)) {
+            uint8_t *want = malloc((size_t)coli_split_len(n));
+            coli_split_q8_ref(q, n, want);
+            CHECK(memcmp(want, xg + 4 * gstride, (size_t)coli_split_len(n)) == 0, "split_q8 isa=%d n=%d", isa, n);
+            free(want);
+        }
+        gfree(xg, (size_t)(4 * gstride + coli_split_len(n)));
         gfree(w8, len8); gfree(q, qlen); gfree(w4, len4);
         gfree(ws, sizeof(float) * wlen); gfree(xs, sizeof(float) * slen);
     }
