@@ -272,72 +272,101 @@ COLI_AVX2 static inline int coli_split_q8_avx2(const int8_t *q, int n, uint8_t *
     return 0;
 }
 
-/* int4: lanes of 8 inputs. 64 inputs (one half of a 128-input block) as 8 lanes in order: the two
- * 32-input halves give 8 lanes of 4 each (A, B); hadd pairs them into lanes of 8 in the order
- * [A01 A23 B01 B23 | A45 A67 B45 B67], which vpermq 0xD8 puts in input order. */
-COLI_AVX2 static inline __m256i coli_l8_half_i4_avx2(const uint8_t *w, int j, const int8_t *x)
+/* int4: lanes of 8 inputs. d[p] += the 8 lanes of the 64-input chunk at j (one half of a 128-input
+ * block) for P activation rows, its weights decoded once for all: the two 32-input halves give 8
+ * lanes of 4 each (a, b), hadd pairs them into lanes of 8 in the order [a01 a23 b01 b23 | a45 a67
+ * b45 b67] = lanes [0 1 4 5 | 2 3 6 7]: d is kept in that order (sums commute with it) and put in
+ * input order by vpermq 0xD8 (which swaps qwords 1 and 2, its own inverse) before the fma. */
+COLI_AVX2 static COLI_ALWAYS_INLINE void coli_l8_chunk_avx2(const uint8_t *w, const int8_t *const *q, int j,
+                                                            const int P, __m256i *d)
 {
-    __m256i aw, sw, a, b;
-    coli_w32_i4_avx2(w, j, &aw, &sw);
-    a = coli_lanes32_avx2(aw, sw, x + j);
-    coli_w32_i4_avx2(w, j + 32, &aw, &sw);
-    b = coli_lanes32_avx2(aw, sw, x + j + 32);
-    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(a, b), 0xD8);
+    __m256i aw0, sw0, aw1, sw1;
+    coli_w32_i4_avx2(w, j, &aw0, &sw0);
+    coli_w32_i4_avx2(w, j + 32, &aw1, &sw1);
+    COLI_UNROLL_G
+    for (int p = 0; p < P; p++)
+        d[p] = _mm256_add_epi32(d[p], _mm256_hadd_epi32(coli_lanes32_avx2(aw0, sw0, q[p] + j),
+                                                        coli_lanes32_avx2(aw1, sw1, q[p] + j + 32)));
 }
 
-/* One int4 weight row, P (1 or 2) activation rows: R16(A) per activation row. The 64-input chunks
- * in order; chunk c is half (c & 1) of its 128-input block, lanes 8 * (c & 1) .. + 7 (dlo / dhi);
- * at a group's end each half it reached takes its fma. The row's last, partial chunk one input
- * at a time. (Weights of a chunk are decoded once per activation row: AVX2 has too few registers
- * to share them across two rows with their four accumulators each.) */
+/* inputs [j, e) of one chunk (the row's last, e - j < 64) one by one into d (hadd order) */
+COLI_AVX2 static inline void coli_l8_part_avx2(const uint8_t *w, const int8_t *const *q, int j, int e, int P,
+                                               __m256i *d)
+{
+    for (int p = 0; p < P; p++) {
+        int32_t t[8] = {0};
+        for (int i = j; i < e; i++)
+            t[(i & 63) >> 3] += coli_wval_i4(w, i) * (int32_t)q[p][i];
+        d[p] = _mm256_add_epi32(d[p], _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)t), 0xD8));
+    }
+}
+
+/* inputs [j, e) of a 64-input chunk (whole, or the row's last) into d */
+COLI_AVX2 static COLI_ALWAYS_INLINE void coli_l8_span_avx2(const uint8_t *w, const int8_t *const *q, int j, int e,
+                                                           const int P, __m256i *d)
+{
+    if (e - j == 64)
+        coli_l8_chunk_avx2(w, q, j, P, d);
+    else if (e > j)
+        coli_l8_part_avx2(w, q, j, e, P, d);
+}
+
+/* a += ws * d lane-wise, d from hadd order to input order */
+COLI_AVX2 static COLI_ALWAYS_INLINE void coli_l8_fma_avx2(float ws, const __m256i *d, const int P, __m256 *a)
+{
+    __m256 s = _mm256_set1_ps(ws);
+    COLI_UNROLL_G
+    for (int p = 0; p < P; p++)
+        a[p] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_permute4x64_epi64(d[p], 0xD8)), a[p]);
+}
+
+/* One int4 weight row, P (1 or 2) activation rows: R16(A) per activation row. Per 128-input block
+ * the low chunk feeds lanes 0..7 (alo), the high chunk lanes 8..15 (ahi). gs = 64: each chunk is a
+ * group, fma'd at once; gs >= 128: a group is whole blocks, summed before its two fmas. */
 COLI_AVX2 static COLI_ALWAYS_INLINE void coli_lanes_i4_avx2_k(const uint8_t *w, const float *ws, int gs,
                                                               const int8_t *const *q, const int P, int n,
                                                               float *res)
 {
     __m256 alo[2], ahi[2];
+    __m256i dlo[2], dhi[2];
     for (int p = 0; p < P; p++)
         alo[p] = ahi[p] = _mm256_setzero_ps();
-    for (int g = 0, i0 = 0; i0 < n; g++, i0 += gs) {
-        int end = n - i0 < gs ? n : i0 + gs, j = i0, lo = 0, hi = 0;
-        __m256i dlo[2], dhi[2];
-        for (int p = 0; p < P; p++)
-            dlo[p] = dhi[p] = _mm256_setzero_si256();
-        for (; j + 64 <= end; j += 64) {
-            if (j & 64) {
-                hi = 1;
-                COLI_UNROLL_G
-                for (int p = 0; p < P; p++)
-                    dhi[p] = _mm256_add_epi32(dhi[p], coli_l8_half_i4_avx2(w, j, q[p]));
-            } else {
-                lo = 1;
-                COLI_UNROLL_G
-                for (int p = 0; p < P; p++)
-                    dlo[p] = _mm256_add_epi32(dlo[p], coli_l8_half_i4_avx2(w, j, q[p]));
+    if (gs == 64) {
+        int i = 0, g = 0;
+        for (; i + 128 <= n; i += 128, g += 2) {
+            COLI_UNROLL_G
+            for (int p = 0; p < P; p++)
+                dlo[p] = dhi[p] = _mm256_setzero_si256();
+            coli_l8_chunk_avx2(w, q, i, P, dlo);
+            coli_l8_fma_avx2(ws[g], dlo, P, alo);
+            coli_l8_chunk_avx2(w, q, i + 64, P, dhi);
+            coli_l8_fma_avx2(ws[g + 1], dhi, P, ahi);
+        }
+        if (i < n) { /* the row's last block: one or two (partial) groups */
+            for (int p = 0; p < P; p++)
+                dlo[p] = dhi[p] = _mm256_setzero_si256();
+            coli_l8_span_avx2(w, q, i, i + 64 < n ? i + 64 : n, P, dlo);
+            coli_l8_fma_avx2(ws[g], dlo, P, alo);
+            if (i + 64 < n) {
+                coli_l8_span_avx2(w, q, i + 64, n, P, dhi);
+                coli_l8_fma_avx2(ws[g + 1], dhi, P, ahi);
             }
         }
-        if (j < end) { /* the row's last inputs (< 64) */
-            for (int p = 0; p < P; p++) {
-                int32_t d[8] = {0};
-                for (int i = j; i < end; i++)
-                    d[(i & 63) >> 3] += coli_wval_i4(w, i) * (int32_t)q[p][i];
-                __m256i t = _mm256_loadu_si256((const __m256i *)d);
-                if (j & 64)
-                    dhi[p] = _mm256_add_epi32(dhi[p], t);
-                else
-                    dlo[p] = _mm256_add_epi32(dlo[p], t);
+    } else {
+        for (int g = 0, i0 = 0; i0 < n; g++, i0 += gs) {
+            int end = n - i0 < gs ? n : i0 + gs, i = i0;
+            for (int p = 0; p < P; p++)
+                dlo[p] = dhi[p] = _mm256_setzero_si256();
+            for (; i + 128 <= end; i += 128) {
+                coli_l8_chunk_avx2(w, q, i, P, dlo);
+                coli_l8_chunk_avx2(w, q, i + 64, P, dhi);
             }
-            if (j & 64)
-                hi = 1;
-            else
-                lo = 1;
-        }
-        __m256 s = _mm256_set1_ps(ws[g]);
-        COLI_UNROLL_G
-        for (int p = 0; p < P; p++) {
-            if (lo)
-                alo[p] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dlo[p]), alo[p]);
-            if (hi)
-                ahi[p] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dhi[p]), ahi[p]);
+            if (i < end) {
+                coli_l8_span_avx2(w, q, i, i + 64 < end ? i + 64 : end, P, dlo);
+                coli_l8_span_avx2(w, q, i + 64, end, P, dhi);
+            }
+            coli_l8_fma_avx2(ws[g], dlo, P, alo);
+            coli_l8_fma_avx2(ws[g], dhi, P, ahi);
         }
     }
     for (int p = 0; p < P; p++)
