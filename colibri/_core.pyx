@@ -592,6 +592,9 @@ cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const
     if PREFETCH_GROUPS > 0 and ahead < W.O:
         coli_prefetch_row(W.q + <Py_ssize_t>ahead * W.rb,
                           (GROUP_ROWS if W.O - ahead > GROUP_ROWS else W.O - ahead) * W.rb)
+        if W.gs > 0:        # and the group scales of those rows
+            coli_prefetch_row(W.s + <Py_ssize_t>ahead * W.G,
+                              (GROUP_ROWS if W.O - ahead > GROUP_ROWS else W.O - ahead) * W.G * 4)
     if W.gs > 0 and GROUP_KERNELS:
         int_group_g(W, o0, n, S, xq, xs, nb, blk, idot, y, xg if wants_split(W, nb) else NULL, gstride)
         return
