@@ -424,6 +424,44 @@ def test_colibri_style_container_matches_its_float_model(colibri_style, idot, to
         f.close()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_colibri_style_paths_are_bit_identical(colibri_style, threads):
+    """On group-scaled matrices every path computes the same floats: the fused FFN group and one
+    matmul per matrix, the tile kernels and one weight row per call, experts streamed (one cached
+    per layer, reads overlapped) and all in RAM, decode rows and a verify batch."""
+    cont, _ = colibri_style
+    ids = [(5 * i + 11) % 256 for i in range(20)]
+    before, flags = _core.max_threads(), _core.set_kernel_flags()
+    outs = []
+    try:
+        _core.set_threads(threads)
+        for fused, group_kernels, cache in [(True, True, 0), (False, True, 0), (True, False, 0), (True, True, 1)]:
+            _core.set_kernel_flags(group_kernels=group_kernels)
+            m = colibri.model_init(cont, cache_experts=cache)
+            m.fused = fused
+            m.kv_alloc(len(ids) + 4)
+            rows = [m.step(ids[:12], 0)] + [m.step([t], 12 + i) for i, t in enumerate(ids[12:16])]
+            rows.append(m.step_all(ids[16:20], 16))            # a verify-sized batch
+            outs.append(rows)
+            m.close()
+    finally:
+        _core.set_threads(before)
+        _core.set_kernel_flags(**flags)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            np.testing.assert_array_equal(a, b)
+    m = colibri.model_init(cont)
+    try:                                  # the verify batch's rows are the decode rows' values
+        m.kv_alloc(len(ids) + 4)
+        m.step(ids[:12], 0)
+        for i, t in enumerate(ids[12:16]):
+            m.step([t], 12 + i)
+        seq = [m.step([t], 16 + i) for i, t in enumerate(ids[16:20])]
+        np.testing.assert_array_equal(np.stack(seq), outs[0][-1])
+    finally:
+        m.close()
+
+
 def test_colibri_style_plan_is_exact_and_a_cold_token_reads_it(colibri_style):
     cont, _ = colibri_style
     r = plan.build_report(cont, ram_gb=4, runtime_bytes=0)
