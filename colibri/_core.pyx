@@ -146,7 +146,7 @@ cdef class QT:
     container; the last group of a row partial)."""
     cdef QTc c
     cdef readonly object data      # numpy array keeping the payload (or f32 weights) alive
-    cdef readonly object scale     # numpy f32 [O] or None
+    cdef readonly object scale     # numpy f32 [O·G] (G = 1: per row) or None
 
     @staticmethod
     def from_f32(w):

@@ -35,13 +35,18 @@
  *   coli_rowdotg_<kind>_<isa>(w, ws, gs, q, xs, n, block)             one weight row, one activation row
  *   coli_rowdotg_<kind>_rows_<isa>(w, ws, gs, q, qstride, xs, sstride, R, n, block, out)
  *       out[r] = coli_rowdotg_<kind>(w, ws, gs, q + r*qstride, xs + r*sstride, n, block), r < R
- *   coli_rowdotg_<kind>_tile_<isa>(w, rb, nw, ws, wstride, gs, q, qstride, xs, sstride, P, n, out)
+ *   coli_rowdotg_<kind>_tile_<isa>(w, rb, nw, ws, wstride, gs, q, qstride, xg, gstride, xs, sstride,
+ *                                  P, n, out)
  *       lane form (one activation block) for nw (1..4) weight rows (w + r*rb, scales ws + r*wstride)
  *       and P activation rows (q + p*qstride, scale xs[p*sstride]):
  *       out[p*nw + r] = coli_rowdotg_<kind>(w + r*rb, ws + r*wstride, gs, q + p*qstride,
  *                                           xs + p*sstride, n, n)
  *       in one pass over the weights per pair of activation rows (AVX-512 VNNI decodes the
- *       weights once for both and splits / loads the activations once for the four rows).
+ *       weights once for both and loads the activations once for the four rows). xg (int4, may
+ *       be NULL): the activation rows' split forms (coli_split_q8_<isa>, row p at xg + p*gstride),
+ *       which AVX-512 reads instead of splitting each 128 activations in every tile.
+ *   coli_split_q8_<isa>(q, n, xg): writes the split form and returns 1 where the tile reads it
+ *       (AVX-512), else writes nothing and returns 0.
  *
  * Integer ranges: a lane sums at most gs/8 products (|v*x| <= 8*127 for int4, 128*127 for int8),
  * so the lane integers are exact for gs up to 2^20; the AVX-512 code biases the weights (u = v + 8
@@ -409,14 +414,15 @@ COLI_AVX512 static inline __m512i coli_x64_avx512(const int8_t *q, int j, int re
     return rem >= 64 ? _mm512_loadu_si512(q + j) : _mm512_maskz_loadu_epi8(~0ULL >> (64 - rem), q + j);
 }
 
-/* One 64-input chunk (from element j, rem <= 64 inputs: rem < 64 only for the row's last chunk) of
- * NW weight rows x P activation rows: d[p][r] += the lane dots of u (the biased weights, decoded
- * once per weight row for all P activation rows) and x (loaded once for all NW weight rows). The
- * bias correction: the group's first chunk starts d at -bias * (lane sums of x); later chunks of a
- * group (gs > 64) add their x lane sums into c, subtracted at the group's end. */
+/* int8, lanes of 4 inputs. One 64-input chunk (from element j, rem <= 64 inputs: rem < 64 only
+ * for the row's last chunk) of NW weight rows x P activation rows: d[p][r] += the lane dots of
+ * u = w + 128 (the unsigned operand, coli_x4_weights_avx512, once per weight row for all P
+ * activation rows) and x (loaded once for all NW weight rows). The bias correction: the group's
+ * first chunk starts d at -128 * (lane sums of x); later chunks of a group (gs > 64) add their x
+ * lane sums into c, subtracted at the group's end. */
 COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_chunk_avx512(const uint8_t *w, long rb, const int8_t *q,
                                                                   long qstride, int j, const int rem, const int NW,
-                                                                  const int P, const int is4, const int first,
+                                                                  const int P, const int first,
                                                                   __m512i (*d)[4], __m512i *c)
 {
     const __m512i one8 = _mm512_set1_epi8(1), z = _mm512_setzero_si512();
@@ -425,7 +431,7 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_chunk_avx512(const uint8_t 
     for (int p = 0; p < P; p++) {
         x[p] = coli_x64_avx512(q + p * qstride, j, rem);
         if (first) {
-            __m512i nc = _mm512_sub_epi32(z, _mm512_slli_epi32(_mm512_dpbusd_epi32(z, one8, x[p]), is4 ? 3 : 7));
+            __m512i nc = _mm512_sub_epi32(z, _mm512_slli_epi32(_mm512_dpbusd_epi32(z, one8, x[p]), 7));
             COLI_UNROLL_G
             for (int r = 0; r < NW; r++)
                 d[p][r] = nc;
@@ -435,20 +441,20 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_chunk_avx512(const uint8_t 
     }
     COLI_UNROLL_G
     for (int r = 0; r < NW; r++) {
-        __m512i u = coli_x4_weights_avx512(w + r * rb, j, rem, is4);
+        __m512i u = coli_x4_weights_avx512(w + r * rb, j, rem, 0);
         COLI_UNROLL_G
         for (int p = 0; p < P; p++)
             d[p][r] = _mm512_dpbusd_epi32(d[p][r], u, x[p]);
     }
 }
 
-/* NW (1..4) weight rows x P (1..2) activation rows, the lane form with lanes of 4 inputs (int8;
- * int4 takes coli_l8_tile_k_avx512): per group its chunks (coli_tile_chunk_avx512), then
- * A = fma(ws, cvt(D), A) lane-wise; res[p*4 + r] = R16(A). */
+/* int8: NW (1..4) weight rows x P (1..2) activation rows, the lane form with lanes of 4 inputs:
+ * per group its chunks (coli_tile_chunk_avx512), then A = fma(ws, cvt(D), A) lane-wise;
+ * res[p*4 + r] = R16(A). */
 COLI_AVX512 static COLI_ALWAYS_INLINE void coli_lanes_tile_k_avx512(const uint8_t *w, long rb, const float *ws,
                                                                     long wstride, int gs, const int8_t *q,
                                                                     long qstride, int n, const int NW,
-                                                                    const int P, const int is4, float *res)
+                                                                    const int P, float *res)
 {
     __m512 a[2][4];
     for (int p = 0; p < P; p++)
@@ -459,20 +465,20 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_lanes_tile_k_avx512(const uint8_
         int end = n - i0 < gs ? n : i0 + gs;
         __m512i d[2][4], c[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
         if (end - i0 == 64) { /* a group of one full chunk (gs = 64: every group but maybe the last) */
-            coli_tile_chunk_avx512(w, rb, q, qstride, i0, 64, NW, P, is4, 1, d, c);
+            coli_tile_chunk_avx512(w, rb, q, qstride, i0, 64, NW, P, 1, d, c);
         } else {
             if (i0 + 64 <= end)
-                coli_tile_chunk_avx512(w, rb, q, qstride, i0, 64, NW, P, is4, 1, d, c);
+                coli_tile_chunk_avx512(w, rb, q, qstride, i0, 64, NW, P, 1, d, c);
             else
-                coli_tile_chunk_avx512(w, rb, q, qstride, i0, end - i0, NW, P, is4, 1, d, c);
+                coli_tile_chunk_avx512(w, rb, q, qstride, i0, end - i0, NW, P, 1, d, c);
             int j = i0 + 64;
             for (; j + 64 <= end; j += 64)
-                coli_tile_chunk_avx512(w, rb, q, qstride, j, 64, NW, P, is4, 0, d, c);
+                coli_tile_chunk_avx512(w, rb, q, qstride, j, 64, NW, P, 0, d, c);
             if (j < end)
-                coli_tile_chunk_avx512(w, rb, q, qstride, j, end - j, NW, P, is4, 0, d, c);
+                coli_tile_chunk_avx512(w, rb, q, qstride, j, end - j, NW, P, 0, d, c);
             COLI_UNROLL_G
             for (int p = 0; p < P; p++) {
-                __m512i cs = _mm512_slli_epi32(c[p], is4 ? 3 : 7);
+                __m512i cs = _mm512_slli_epi32(c[p], 7);
                 COLI_UNROLL_G
                 for (int r = 0; r < NW; r++)
                     d[p][r] = _mm512_sub_epi32(d[p][r], cs);
@@ -648,7 +654,7 @@ COLI_AVX512 static inline int coli_split_q8_avx512(const int8_t *q, int n, uint8
 }
 
 #define COLI_TILE_CASE(NW_, P_)                                                                    \
-    (!is4 ? coli_lanes_tile_k_avx512(wb, rb, ws, wstride, gs, qp, qstride, n, NW_, P_, 0, res)       \
+    (!is4 ? coli_lanes_tile_k_avx512(wb, rb, ws, wstride, gs, qp, qstride, n, NW_, P_, res)          \
      : xg ? coli_l8_tile_k_avx512(wb, rb, ws, wstride, gs, qp, qstride, xg + p0 * gstride, gstride, n, NW_, P_, 1, res) \
           : coli_l8_tile_k_avx512(wb, rb, ws, wstride, gs, qp, qstride, xg, gstride, n, NW_, P_, 0, res))
 
