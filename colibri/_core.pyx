@@ -884,9 +884,7 @@ cdef class FfnScratch:
         self.hs = np.zeros(2 * max_pairs * I, np.float32)
         self.xm = np.zeros(2 * max_pairs * D, np.int32)       # block sums of xq / hq (same layout as xs / hs)
         self.hm = np.zeros(2 * max_pairs * I, np.int32)
-        self.xgs, self.hgs = coli_split_len(D), coli_split_len(I)   # split rows of xq / hq (group-scaled int4)
-        self.xg = np.zeros(2 * max_pairs * self.xgs, np.uint8)
-        self.hg = np.zeros(2 * max_pairs * self.hgs, np.uint8)
+        self.xgs, self.hgs = coli_split_len(D), coli_split_len(I)   # split rows of xq / hq (split_room)
         self.yd = np.zeros(max_pairs * D, np.float32)
         self.xr = np.zeros((max(nt, 1), max(D, I)), np.float32)
         self.urow = np.zeros(max_pairs, np.int32)
@@ -896,12 +894,24 @@ cdef class FfnScratch:
         cdef float[:, ::1] xr = self.xr
         cdef int[::1] urow = self.urow
         cdef int32_t[::1] xm = self.xm, hm = self.hm
-        cdef uint8_t[::1] xg = self.xg, hg = self.hg
         self.p_xq, self.p_hq, self.p_xs, self.p_g, self.p_u = &xq[0], &hq[0], &xs[0], &g[0], &u[0]
         self.p_hs, self.p_yd, self.p_xr, self.p_uw, self.p_urow = &hs[0], &yd[0], &xr[0, 0], &uw[0], &urow[0]
         self.p_xm, self.p_hm = &xm[0], &hm[0]
-        self.p_xg, self.p_hg = &xg[0], &hg[0]
+        self.p_xg = self.p_hg = NULL
         self.xr_stride = xr.shape[1]
+
+    def split_room(self):
+        """Allocate the room for the split forms of the quantized inputs and hidden rows (needed by
+        group-scaled int4 matrices only)."""
+        if self.xg is None:
+            self.xg = np.zeros(2 * self.max_pairs * self.xgs, np.uint8)
+            self.hg = np.zeros(2 * self.max_pairs * self.hgs, np.uint8)
+            self.p_xg = self._data(self.xg)
+            self.p_hg = self._data(self.hg)
+
+    cdef uint8_t *_data(self, a):
+        cdef uint8_t[::1] v = a          # a stays referenced by self: the pointer outlives v
+        return &v[0]
 
     def __dealloc__(self):
         free(self.jobs)
@@ -1158,15 +1168,18 @@ def matmul(QT W, x, int block=0, int idot=IDOT_Q8X2):
     xs = np.empty(2 * S * act_nblocks(W.c.I, block), np.float32)
     xr = np.empty(W.c.I, np.float32)
     xm = np.empty(2 * S * act_nblocks(W.c.I, block), np.int32)
-    xg = np.empty(2 * S * coli_split_len(W.c.I), np.uint8)
     cdef float[:, ::1] xv = x
     cdef float[:, ::1] yv = y
     cdef int8_t[::1] qv = xq
     cdef float[::1] sv = xs, rv = xr
     cdef int32_t[::1] mv = xm
-    cdef uint8_t[::1] gv = xg
+    cdef uint8_t[::1] gv
+    cdef uint8_t *xg = NULL
+    if W.c.gs > 0 and W.c.fmt == FMT_I4:           # room for the activations' split forms
+        gv = np.empty(2 * S * coli_split_len(W.c.I), np.uint8)
+        xg = &gv[0]
     matmul_qt(&W.c, &xv[0, 0], S, &yv[0, 0], &qv[0], &sv[0], &rv[0], block, idot, &mv[0] if BLOCK_SUMS else NULL,
-              &gv[0])
+              xg)
     return y
 
 
@@ -1311,6 +1324,7 @@ cdef class Model:
     cdef public bint direct                       # O_DIRECT reads of expert payloads
     cdef object _direct_fds, _io, _slabs
     cdef object _gsplit                           # split activation rows for group-scaled int4 (see _split_scratch)
+    cdef public bint grouped4                     # a group-scaled int4 matrix has been loaded (resident or expert)
     # Counters
     cdef public long long bytes_read, forwards, decode_forwards, emitted
     cdef public object trace                      # None, or a list that collects (forward, layer, rows, experts)
@@ -1332,9 +1346,15 @@ cdef class Model:
             info = st.info(name)
             if info.dtype not in ("U8", "I8"):
                 raise _st.ContainerError(f"{info.path}: {name} has a .qs scale but dtype {info.dtype}, expected U8")
-            return QT.from_packed(st.read_raw(name), st.read_f32(name + ".qs"), O, I, f"{info.path}: {name}")
+            W = QT.from_packed(st.read_raw(name), st.read_f32(name + ".qs"), O, I, f"{info.path}: {name}")
+            self._note_groups(W)
+            return W
         w = st.read_f32(name)
         return self._qt_from_float(w, name, O, I, bits)
+
+    def _note_groups(self, QT W):
+        if W.c.gs > 0 and W.c.fmt == FMT_I4:
+            self.grouped4 = True          # the fused FFN group then keeps room for split activations
 
     def _qt_from_float(self, w, name, int O, int I, int bits):
         if tuple(w.shape) != (O, I):
@@ -1475,6 +1495,7 @@ cdef class Model:
                 self.bytes_read += scale.nbytes
                 qts.append(QT.from_packed(slab[starts[k]:starts[k] + infos[k].nbytes], scale,
                                           shapes[k][0], shapes[k][1], names[k]))
+                self._note_groups(qts[k])
             E.slab = slab
             E.nbytes = total
         else:
@@ -1642,10 +1663,13 @@ cdef class Model:
             ys[k] = &o[0, 0]
         if 2 * <Py_ssize_t>S * cs[0].I > ws.xq.shape[0] or cs[0].I > ws.xr.shape[0]:
             raise EngineError(f"matmul of {S} rows x {cs[0].I} inputs exceeds the activation scratch")
-        gb = self._split_scratch(S, cs[0].I)
+        cdef uint8_t *xg = NULL
+        if any((<QT>W).c.gs > 0 and (<QT>W).c.fmt == FMT_I4 for W in Ws):
+            gb = self._split_scratch(S, cs[0].I)
+            xg = &gb[0]
         with nogil:
             matmul_many(cs, ys, nW, x, S, &ws.xq[0], &ws.xs[0], &ws.xr[0], self.act_block, self.idot,
-                        &ws.xm[0] if BLOCK_SUMS else NULL, &gb[0])
+                        &ws.xm[0] if BLOCK_SUMS else NULL, xg)
         return 0
 
     # -- forward -------------------------------------------------------------------------------
@@ -1834,6 +1858,8 @@ cdef class Model:
             Imax = max(Imax, (<QT>f[0]).c.O)
         npairs = sum(f[4] for f in ffns)
         cdef FfnScratch fs = self._ffn_scratch(p0 + npairs, j0 + nj, Imax)
+        if self.grouped4:
+            fs.split_room()
         cdef int r
         if rows is None:                  # one FFN on rows 0..S-1 with weight 1
             for r in range(S):
@@ -2123,10 +2149,14 @@ cdef class Model:
         cdef int8_t[::1] qv = xq
         cdef float[::1] sv = xs, rv = xr
         cdef int32_t[::1] mv = xm
-        cdef uint8_t[::1] gb = self._split_scratch(S, self.cfg.hidden)
+        cdef uint8_t[::1] gb
+        cdef uint8_t *xg = NULL
+        if self.lm_head.c.gs > 0 and self.lm_head.c.fmt == FMT_I4:
+            gb = self._split_scratch(S, self.cfg.hidden)
+            xg = &gb[0]
         with nogil:
             matmul_qt(&self.lm_head.c, &hv[0, 0], S, &lv[0, 0], &qv[0], &sv[0], &rv[0], self.act_block, self.idot,
-                      &mv[0] if BLOCK_SUMS else NULL, &gb[0])
+                      &mv[0] if BLOCK_SUMS else NULL, xg)
         if np.isnan(logits).any():
             raise EngineError("NaN in the logits (non-finite activations or weights)")
         return logits
