@@ -621,3 +621,18 @@ def test_convert_group_size_is_validated_and_recorded_for_resume(tmp_path):
     (r / "colibri_convert.json").write_text(json.dumps(old))
     convert(DATA / "tiny_dense", r, ConvertOptions(), verbose=False)
     assert man["group_size"] == 64
+
+
+def test_bench_groups_tool_runs(tmp_path):
+    """tools/bench_groups.py on the tiny fixture: both containers measured, groups of 64 closer to
+    the float matmul than one scale per row."""
+    out = tmp_path / "g.json"
+    p = subprocess.run([sys.executable, str(DATA.parent.parent / "tools" / "bench_groups.py"), "--tiny",
+                        "--tokens", "2", "--rounds", "1", "--json", str(out)], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert set(d["decode"]) == set(d["parity"]) == {"per_row", "group64"}
+    assert d["bytes"]["group64"] > d["bytes"]["per_row"]
+    for m in d["matmul"]:
+        assert m["group64_rel_rms_err"] < m["per_row_rel_rms_err"]

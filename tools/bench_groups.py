@@ -8,7 +8,8 @@ converts it twice (``convert --group-size 0`` and ``--group-size 64``), and meas
 process with the two variants alternated (A B B A ...) so that machine noise hits both alike:
 
 - one decode matmul (S = 1, idot = 2, the engine's default numerics) at 2048 x 6144 and 6144 x 2048
-  (GLM-5.2's expert gate/up and down widths), per-row against groups of 64;
+  (GLM-5.2's expert gate/up and down widths), per-row against groups of 64, and each one's
+  relative RMS error against the float product;
 - decode: one token per forward after a prompt, every expert in RAM (tokens per second);
 - parity of each container against the float model: max and mean |Δlogit| over a teacher-forced
   sequence, and top-1 agreement.
@@ -122,13 +123,16 @@ def write_checkpoint(dst: str, tiny: bool, outliers: int) -> dict:
     return cfg
 
 
-def bench_matmul(rounds: int) -> list:
-    """µs per decode matmul (S = 1, idot = 2), per-row vs groups of 64, best of the rounds."""
+def bench_matmul(rounds: int, outliers: int) -> list:
+    """µs per decode matmul (S = 1, idot = 2), per-row vs groups of 64, best of the rounds, and each
+    one's relative RMS error against the float matmul (16 random activation rows)."""
     from colibri import _core, quant
     rng = np.random.default_rng(0)
     out = []
     for O, I in ((2048, 6144), (6144, 2048)):
         W = (rng.standard_normal((O, I)) * 0.02).astype(np.float32)
+        if outliers:
+            W[:, rng.choice(I, size=outliers, replace=False)] *= np.float32(8)
         qts = {}
         for gs in (0, 64):
             p, s, _ = quant.quantize(W, 4, group_size=gs)
@@ -141,7 +145,12 @@ def bench_matmul(rounds: int) -> list:
                 for _ in range(20):
                     _core.matmul(qts[gs], x, idot=2)
                 best[gs] = min(best[gs], (time.perf_counter() - t0) / 20 * 1e6)
-        out.append({"O": O, "I": I, "per_row_us": best[0], "group64_us": best[64], "ratio": best[64] / best[0]})
+        xt = rng.standard_normal((16, I)).astype(np.float32)
+        ref = xt.astype(np.float64) @ W.T.astype(np.float64)
+        err = {gs: float(np.sqrt(np.mean((_core.matmul(qts[gs], xt, idot=2) - ref) ** 2) / np.mean(ref ** 2)))
+               for gs in (0, 64)}
+        out.append({"O": O, "I": I, "per_row_us": best[0], "group64_us": best[64], "ratio": best[64] / best[0],
+                    "per_row_rel_rms_err": err[0], "group64_rel_rms_err": err[64]})
     return out
 
 
@@ -210,7 +219,7 @@ def main(argv=None) -> int:
                "bytes": {k: sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if n.endswith(".safetensors"))
                          for k, d in (("per_row", dirs[0]), ("group64", dirs[64]))},
                "resident_bytes": {k: m.resident_bytes() for k, m in models.items()},
-               "matmul": bench_matmul(args.rounds),
+               "matmul": bench_matmul(args.rounds, args.outliers),
                "decode": bench_decode(models, prompt, args.tokens, args.rounds),
                "parity": parity(models, ref, ids)}
         for m in list(models.values()) + [ref]:
