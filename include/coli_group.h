@@ -408,6 +408,23 @@ COLI_AVX512 static inline float coli_lanes_sum16_avx512(__m512 a)
     return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
 }
 
+/* R16 of four accumulators at once, the same adds as coli_lanes_sum16_avx512 on each: with Qk the
+ * k-th 128-bit quarter, t8 = [Q0+Q2 | Q1+Q3], t4 = (Q0+Q2) + (Q1+Q3), then within the quarter
+ * (t4[0]+t4[2]) + (t4[1]+t4[3]); vshuff32x4 gathers the four accumulators' quarters so that each
+ * step is one add for all four. res[0..3] = R16(a), R16(b), R16(c), R16(d). */
+COLI_AVX512 static inline void coli_lanes_sum16x4_avx512(__m512 a, __m512 b, __m512 c, __m512 d, float *res)
+{
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    /* ab = [a:Q0+Q2, a:Q1+Q3, b:Q0+Q2, b:Q1+Q3], cd alike */
+    __m512 t4 = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    /* t4 = [t4(a) | t4(b) | t4(c) | t4(d)] */
+    __m512 t2 = _mm512_add_ps(t4, _mm512_permute_ps(t4, 0x4E));   /* lanes 0, 1: t4[0]+t4[2], t4[1]+t4[3] */
+    __m512 r = _mm512_add_ps(t2, _mm512_permute_ps(t2, 0xB1));    /* lane 0: t2[0] + t2[1] */
+    _mm_storeu_ps(res, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0,
+                                                                                       0, 0, 0, 0, 0, 0), r)));
+}
+
 /* 64 activations from element j on (rem < 64: masked, zeros past them) */
 COLI_AVX512 static inline __m512i coli_x64_avx512(const int8_t *q, int j, int rem)
 {
@@ -492,10 +509,15 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_lanes_tile_k_avx512(const uint8_
                 a[p][r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(d[p][r]), a[p][r]);
         }
     }
-    for (int p = 0; p < P; p++)
+    for (int p = 0; p < P; p++) {
+        if (NW == 4) {
+            coli_lanes_sum16x4_avx512(a[p][0], a[p][1], a[p][2], a[p][3], res + p * 4);
+            continue;
+        }
         COLI_UNROLL_G
         for (int r = 0; r < NW; r++)
             res[p * 4 + r] = coli_lanes_sum16_avx512(a[p][r]);
+    }
 }
 
 /* int4, lanes of 8 inputs: 128 activations from x (rem < 128: zeros past rem) split into their
@@ -632,10 +654,15 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_l8_tile_k_avx512(const uint8_t *
             }
         }
     }
-    for (int p = 0; p < P; p++)
+    for (int p = 0; p < P; p++) {
+        if (NW == 4) {
+            coli_lanes_sum16x4_avx512(a[p][0], a[p][1], a[p][2], a[p][3], res + p * 4);
+            continue;
+        }
         COLI_UNROLL_G
         for (int r = 0; r < NW; r++)
             res[p * 4 + r] = coli_lanes_sum16_avx512(a[p][r]);
+    }
 }
 
 /* the split form (COLI_SPLIT_BYTES) of a Q8 row for the tiles below; returns 1 */
