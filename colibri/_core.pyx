@@ -75,6 +75,27 @@ cdef extern from "coli_kernels.h" nogil:
     void coli_rowdot2s_i8_x4x2(const int8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
                                const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
                                long qstep, long sstep, float *out)
+    float coli_rowdotg_i8(const int8_t *w, const float *ws, int gs, const int8_t *q, const float *xs, int n,
+                          int block)
+    float coli_rowdotg_i4(const uint8_t *w, const float *ws, int gs, const int8_t *q, const float *xs, int n,
+                          int block)
+    void coli_rowdotg_i8_rows(const int8_t *w, const float *ws, int gs, const int8_t *q, long qstride,
+                              const float *xs, long sstride, int R, int n, int block, float *out)
+    void coli_rowdotg_i4_rows(const uint8_t *w, const float *ws, int gs, const int8_t *q, long qstride,
+                              const float *xs, long sstride, int R, int n, int block, float *out)
+    void coli_rowdotg_i8_tile(const int8_t *w, long rb, int nw, const float *ws, long wstride, int gs,
+                              const int8_t *q, long qstride, const uint8_t *xg, long gstride, const float *xs,
+                              long sstride, int P, int n, float *out)
+    void coli_rowdotg_i4_tile(const uint8_t *w, long rb, int nw, const float *ws, long wstride, int gs,
+                              const int8_t *q, long qstride, const uint8_t *xg, long gstride, const float *xs,
+                              long sstride, int P, int n, float *out)
+    long coli_split_len(int n)
+    int coli_split_q8(const int8_t *q, int n, uint8_t *xg)
+    int coli_split_active()
+    void coli_dotsg_q8f32(const float *x, int n, const int8_t *w, long rb, const float *ws, long wstride, int gs,
+                          int nrows, float *out)
+    void coli_dotsg_q4f32(const float *x, int n, const uint8_t *w, long rb, const float *ws, long wstride, int gs,
+                          int nrows, float *out)
 
 cdef extern from "coli_prefetch.h" nogil:
     void coli_prefetch_row(const void *p, Py_ssize_t nbytes)
@@ -103,7 +124,9 @@ cdef struct QTc:
     Py_ssize_t rb      # bytes per packed row (quantized formats)
     const float *f     # [O, I] f32 weights (FMT_F32)
     const uint8_t *q   # [O, rb] packed payload
-    const float *s     # [O] per-row scales
+    const float *s     # [O, G] scales: one per row (G = 1), or one per group of gs inputs
+    int gs             # group size of the scales: 0 = one scale per row (int8 / int4 only when > 0)
+    int G              # scales per row: 1, or ceil(I / gs)
 
 
 def fmt_from_nbytes(Py_ssize_t nbytes, int O, int I):
@@ -118,10 +141,12 @@ def fmt_from_nbytes(Py_ssize_t nbytes, int O, int I):
 
 
 cdef class QT:
-    """A 2-D weight [O, I]: f32, or int8/int4/int2 packed rows with one f32 scale per row."""
+    """A 2-D weight [O, I]: f32, or int8/int4/int2 packed rows with one f32 scale per row, or
+    (int8/int4) one f32 scale per group of gs inputs of each row (colibrì's group-scaled
+    container; the last group of a row partial)."""
     cdef QTc c
     cdef readonly object data      # numpy array keeping the payload (or f32 weights) alive
-    cdef readonly object scale     # numpy f32 [O] or None
+    cdef readonly object scale     # numpy f32 [O·G] (G = 1: per row) or None
 
     @staticmethod
     def from_f32(w):
@@ -137,19 +162,22 @@ cdef class QT:
         t.c.f = &v[0, 0]
         t.c.q = NULL
         t.c.s = NULL
+        t.c.gs = 0
+        t.c.G = 1
         return t
 
     @staticmethod
     def from_packed(payload, scale, int O, int I, str name="tensor"):
         cdef QT t = QT()
         payload = np.ascontiguousarray(payload, dtype=np.uint8).reshape(-1)
-        scale = np.ascontiguousarray(scale, dtype=np.float32).reshape(-1)
+        scale = np.ascontiguousarray(scale, dtype=np.float32)
         fmt = fmt_from_nbytes(payload.shape[0], O, I)
         if fmt < 0:
             raise ValueError(f"{name}: payload of {payload.shape[0]} bytes matches no int8/int4/int2 "
                              f"packing of a [{O}, {I}] matrix")
-        if scale.shape[0] != O:
-            raise ValueError(f"{name}.qs: {scale.shape[0]} scales for {O} rows")
+        # [O] per-row scales, or [O, G] / [O·G] group scales (the size inferred from the count)
+        cdef int gs = _quant.scale_group_size(scale.shape, FORMAT_NAMES[fmt], O, I, name)
+        scale = scale.reshape(-1)
         if not np.all(np.isfinite(scale)):
             raise ValueError(f"{name}.qs: non-finite scale")
         cdef uint8_t[::1] pv = payload
@@ -163,6 +191,8 @@ cdef class QT:
         t.c.f = NULL
         t.c.q = &pv[0]
         t.c.s = &sv[0]
+        t.c.gs = gs
+        t.c.G = _quant.n_groups(I, gs)
         return t
 
     @property
@@ -174,17 +204,70 @@ cdef class QT:
         return (self.c.O, self.c.I)
 
     @property
+    def group_size(self):
+        """Inputs per scale: 0 when there is one scale per row."""
+        return self.c.gs
+
+    @property
     def nbytes(self):
-        """Bytes held in RAM (spec qt_bytes): payload + scales."""
+        """Bytes held in RAM (spec qt_bytes): payload + f32 scales (O, or O·G for groups)."""
         if self.c.fmt == FMT_F32:
             return 4 * self.c.O * self.c.I
-        return self.c.O * self.c.rb + 4 * self.c.O
+        return self.c.O * self.c.rb + 4 * self.c.O * self.c.G
 
     def dequantize(self):
         """f32 copy of the weights [O, I] (tests, tools)."""
         if self.c.fmt == FMT_F32:
             return np.array(self.data, copy=True)
         return _quant.dequantize(self.data, self.scale, self.c.O, self.c.I)
+
+    def _rows(self, int row0, int nrows):
+        if nrows < 1 or row0 < 0 or row0 + nrows > self.c.O:
+            raise ValueError(f"rows {row0}..{row0 + nrows - 1} outside [0, {self.c.O})")
+
+    def addrows(self, int row0, c, acc, bint one_by_one=False):
+        """acc + Σ_r c[r] · W[row0 + r, :] (dequantized) through the attention helpers (tests):
+        qt_addrows, or qt_addrow per row (one_by_one)."""
+        cdef float[::1] cv = np.ascontiguousarray(c, dtype=np.float32)
+        cdef float[::1] av = np.array(acc, dtype=np.float32)
+        cdef int r, n = cv.shape[0]
+        self._rows(row0, n)
+        if av.shape[0] != self.c.I:
+            raise ValueError(f"acc has {av.shape[0]} values, W has {self.c.I} inputs")
+        cdef float[::1] cs = np.empty(n, np.float32)
+        if one_by_one:
+            for r in range(n):
+                qt_addrow(&self.c, row0 + r, cv[r], &av[0])
+        else:
+            qt_addrows(&self.c, row0, n, &cv[0], &cs[0], &av[0])
+        return np.asarray(av)
+
+    def rowdots(self, int row0, int nrows, x):
+        """[W[row0 + r, :] · x for r < nrows] through qt_rowdots_f (float path, tests)."""
+        cdef float[::1] xv = np.ascontiguousarray(x, dtype=np.float32)
+        self._rows(row0, nrows)
+        if xv.shape[0] != self.c.I:
+            raise ValueError(f"x has {xv.shape[0]} values, W has {self.c.I} inputs")
+        out = np.empty(nrows, np.float32)
+        cdef float[::1] ov = out
+        qt_rowdots_f(&self.c, row0, nrows, &xv[0], &ov[0])
+        return out
+
+
+cdef inline int group_len(const QTc *W, int g) noexcept nogil:
+    """Inputs of weight group g of a row (the last group may be partial)."""
+    return W.I - g * W.gs if W.I - g * W.gs < W.gs else W.gs
+
+
+cdef inline void qt_rowdots_fg(const QTc *W, int row0, int nrows, const float *x, float *out) noexcept nogil:
+    """Float path of group-scaled int8/int4 rows: out[r] = Σ_g (Σ_{i in g} v_i·x_i) · ws[g] for the
+    rows row0 .. row0+nrows-1, groups in order (coli_dotsg_*)."""
+    if W.fmt == FMT_I8:
+        coli_dotsg_q8f32(x, W.I, <const int8_t *>(W.q + <Py_ssize_t>row0 * W.rb), W.rb,
+                         W.s + <Py_ssize_t>row0 * W.G, W.G, W.gs, nrows, out)
+    else:
+        coli_dotsg_q4f32(x, W.I, W.q + <Py_ssize_t>row0 * W.rb, W.rb, W.s + <Py_ssize_t>row0 * W.G, W.G, W.gs,
+                         nrows, out)
 
 
 cdef inline float qt_rowdot_f(const QTc *W, int row, const float *x) noexcept nogil:
@@ -194,6 +277,9 @@ cdef inline float qt_rowdot_f(const QTc *W, int row, const float *x) noexcept no
     cdef float acc = 0.0
     if W.fmt == FMT_F32:
         return coli_dot_f32(W.f + <Py_ssize_t>row * I, x, I)
+    if W.gs > 0:
+        qt_rowdots_fg(W, row, 1, x, &acc)
+        return acc
     p = W.q + <Py_ssize_t>row * W.rb
     if W.fmt == FMT_I8:
         return coli_dot_q8f32(<const int8_t *>p, x, I) * W.s[row]
@@ -213,6 +299,9 @@ cdef inline void qt_addrow(const QTc *W, int row, float c, float *acc) noexcept 
         coli_axpy_f32(acc, c, W.f + <Py_ssize_t>row * I, I)
         return
     p = W.q + <Py_ssize_t>row * W.rb
+    if W.gs > 0:
+        qt_addrow_g(W, p, W.s + <Py_ssize_t>row * W.G, c, acc)
+        return
     cs = c * W.s[row]
     if W.fmt == FMT_I8:
         coli_axpy_q8f32(acc, cs, <const int8_t *>p, I)
@@ -223,9 +312,24 @@ cdef inline void qt_addrow(const QTc *W, int row, float c, float *acc) noexcept 
             acc[i] += cs * <float>(((p[i >> 2] >> (2 * (i & 3))) & 3) - 2)
 
 
+cdef inline void qt_addrow_g(const QTc *W, const uint8_t *p, const float *ws, float c, float *acc) noexcept nogil:
+    """qt_addrow of a group-scaled int8/int4 row p: acc[i] += (c · ws[g]) · v_i for the inputs i
+    of each group g (the group scale folded into the coefficient, as the row scale is)."""
+    cdef int g, i0
+    for g in range(W.G):
+        i0 = g * W.gs
+        if W.fmt == FMT_I8:
+            coli_axpy_q8f32(acc + i0, c * ws[g], <const int8_t *>p + i0, group_len(W, g))
+        else:
+            coli_axpy_q4f32(acc + i0, c * ws[g], p + i0 // 2, group_len(W, g))
+
+
 cdef inline void qt_rowdots_f(const QTc *W, int row0, int nrows, const float *x, float *out) noexcept nogil:
     """out[r] = W[row0 + r, :] · x for nrows rows: qt_rowdot_f per row, in one kernel call."""
     cdef int r
+    if W.gs > 0:
+        qt_rowdots_fg(W, row0, nrows, x, out)
+        return
     if W.fmt == FMT_F32:
         coli_dots_f32(x, W.I, W.f + <Py_ssize_t>row0 * W.I, W.I, NULL, nrows, out)
         return
@@ -253,12 +357,31 @@ cdef inline void qt_addrows(const QTc *W, int row0, int nrows, const float *c, f
         for r in range(nrows):
             qt_addrow(W, row0 + r, c[r], acc)
         return
+    if W.gs > 0:
+        qt_addrows_g(W, row0, nrows, c, cs, acc)
+        return
     for r in range(nrows):
         cs[r] = c[r] * W.s[row0 + r]        # as qt_addrow: the row scale folded into the coefficient
     if W.fmt == FMT_I8:
         coli_axpy_rows_q8f32(acc, W.I, cs, <const int8_t *>(W.q + <Py_ssize_t>row0 * W.rb), W.rb, nrows)
     else:
         coli_axpy_rows_q4f32(acc, W.I, cs, W.q + <Py_ssize_t>row0 * W.rb, W.rb, nrows)
+
+
+cdef inline void qt_addrows_g(const QTc *W, int row0, int nrows, const float *c, float *cs,
+                              float *acc) noexcept nogil:
+    """qt_addrows of group-scaled rows, group by group: for the inputs of group g, acc += Σ_r
+    (c[r] · ws_r[g]) · row_r in row order - per element the floats of qt_addrow per row."""
+    cdef int r, g, i0
+    cdef const uint8_t *p = W.q + <Py_ssize_t>row0 * W.rb
+    for g in range(W.G):
+        i0 = g * W.gs
+        for r in range(nrows):
+            cs[r] = c[r] * W.s[<Py_ssize_t>(row0 + r) * W.G + g]
+        if W.fmt == FMT_I8:
+            coli_axpy_rows_q8f32(acc + i0, group_len(W, g), cs, <const int8_t *>p + i0, W.rb, nrows)
+        else:
+            coli_axpy_rows_q4f32(acc + i0, group_len(W, g), cs, p + i0 // 2, W.rb, nrows)
 
 
 cdef inline int act_nblocks(int I, int block) noexcept nogil:
@@ -309,6 +432,102 @@ cdef enum:
     GROUP_ROWS = 4      # weight rows per work item of the integer matmuls (see int_group)
 
 
+cdef inline void rowdotg_rows(const QTc *W, const uint8_t *row, const float *ws, const int8_t *q, Py_ssize_t qstride,
+                              const float *xs, Py_ssize_t sstride, int R, int blk, float *out) noexcept nogil:
+    if W.fmt == FMT_I8:
+        coli_rowdotg_i8_rows(<const int8_t *>row, ws, W.gs, q, qstride, xs, sstride, R, W.I, blk, out)
+    else:
+        coli_rowdotg_i4_rows(row, ws, W.gs, q, qstride, xs, sstride, R, W.I, blk, out)
+
+
+cdef inline void int_row_g(const QTc *W, int o, int S, const int8_t *xq, const float *xs, int nb, int blk,
+                           int idot, float *y) noexcept nogil:
+    """int_row of a group-scaled matrix: y[s, o] = rowdotg(q1_s) (+ rowdotg(q2_s), the residual
+    row, with idot=2). Each group's exact integer dot is scaled by its weight scale inside the
+    kernel, the activation scales come after (coli_rowdotg_*, bit-identical on every ISA and for
+    every R: the lane form with one activation block, the segment form with several). Decode
+    (S = 1) takes q1 and q2 in one pass over the weight row."""
+    cdef float r1[8]
+    cdef float r2[8]
+    cdef int s0, R, r, I = W.I, O = W.O
+    cdef const uint8_t *row = W.q + <Py_ssize_t>o * W.rb
+    cdef const float *ws = W.s + <Py_ssize_t>o * W.G
+    cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb
+    if S == 1:
+        rowdotg_rows(W, row, ws, xq, off2, xs, soff2, 2 if idot == IDOT_Q8X2 else 1, blk, r1)
+        y[o] = (r1[0] + r1[1]) if idot == IDOT_Q8X2 else r1[0]
+        return
+    for s0 in range(0, S, 8):
+        R = S - s0 if S - s0 < 8 else 8
+        rowdotg_rows(W, row, ws, xq + <Py_ssize_t>s0 * I, I, xs + <Py_ssize_t>s0 * nb, nb, R, blk, r1)
+        if idot == IDOT_Q8X2:
+            rowdotg_rows(W, row, ws, xq + off2 + <Py_ssize_t>s0 * I, I, xs + soff2 + <Py_ssize_t>s0 * nb, nb, R,
+                         blk, r2)
+        for r in range(R):
+            y[<Py_ssize_t>(s0 + r) * O + o] = (r1[r] + r2[r]) if idot == IDOT_Q8X2 else r1[r]
+
+
+cdef inline void tile_g(const QTc *W, int o0, int nw, const int8_t *q, Py_ssize_t qstride, const uint8_t *xg,
+                        Py_ssize_t gstride, const float *xs, Py_ssize_t sstride, int P, float *out) noexcept nogil:
+    """out[p·nw + r] = the lane-form row dot of weight row o0 + r and activation row p (scale
+    xs[p·sstride]), for nw <= 4 weight rows and P activation rows (coli_rowdotg_*_tile); xg: the
+    activation rows' split forms (int4, NULL: none), row p at xg + p·gstride."""
+    cdef const uint8_t *row = W.q + <Py_ssize_t>o0 * W.rb
+    cdef const float *ws = W.s + <Py_ssize_t>o0 * W.G
+    if W.fmt == FMT_I8:
+        coli_rowdotg_i8_tile(<const int8_t *>row, W.rb, nw, ws, W.G, W.gs, q, qstride, NULL, 0, xs, sstride, P, W.I,
+                             out)
+    else:
+        coli_rowdotg_i4_tile(row, W.rb, nw, ws, W.G, W.gs, q, qstride, xg, gstride, xs, sstride, P, W.I, out)
+
+
+cdef inline bint wants_split(const QTc *W, int nb) noexcept nogil:
+    """Whether W's integer matmul reads its activations' split forms (group-scaled int4 on the
+    tile kernel, i.e. one activation block, when the active ISA's tile uses them)."""
+    return W.gs > 0 and W.fmt == FMT_I4 and nb == 1 and GROUP_KERNELS and coli_split_active()
+
+
+cdef inline void split_rows(const int8_t *xq, int rows, int I, uint8_t *xg, Py_ssize_t gstride) noexcept nogil:
+    """The split forms (coli_split_q8) of Q8 rows xq + p·I into xg + p·gstride, p < rows."""
+    cdef int p
+    for p in range(rows):
+        coli_split_q8(xq + <Py_ssize_t>p * I, I, xg + <Py_ssize_t>p * gstride)
+
+
+cdef inline void int_group_g(const QTc *W, int o0, int n, int S, const int8_t *xq, const float *xs, int nb,
+                             int blk, int idot, float *y, const uint8_t *xg, Py_ssize_t gstride) noexcept nogil:
+    """Output columns o0 .. o0+n-1 (n <= GROUP_ROWS) of a group-scaled integer matmul for all S
+    activation rows. One activation block (the default): the lane-form tile kernel on the n weight
+    rows and up to 8 activation rows per call (decode: q1 and its residual q2 in one call, one pass
+    over the weights), reading the activations' split forms xg (row p of xq at xg + p·gstride) when
+    given; several blocks: int_row_g per column. Each output is the same float as int_row_g's,
+    whatever S and n (the kernels are bit-identical per output, split or not)."""
+    cdef float t1[GROUP_ROWS * 8]
+    cdef float t2[GROUP_ROWS * 8]
+    cdef int s0, R, r, p, I = W.I, O = W.O
+    cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb, goff2 = <Py_ssize_t>S * gstride
+    if nb > 1:
+        for r in range(n):
+            int_row_g(W, o0 + r, S, xq, xs, nb, blk, idot, y)
+        return
+    if S == 1 and idot == IDOT_Q8X2:
+        tile_g(W, o0, n, xq, off2, xg, goff2, xs, soff2, 2, t1)         # activation rows: q1, then q2
+        for r in range(n):
+            y[o0 + r] = t1[r] + t1[n + r]
+        return
+    for s0 in range(0, S, 8):
+        R = S - s0 if S - s0 < 8 else 8
+        tile_g(W, o0, n, xq + <Py_ssize_t>s0 * I, I, (xg + s0 * gstride) if xg != NULL else NULL, gstride,
+               xs + <Py_ssize_t>s0 * nb, nb, R, t1)
+        if idot == IDOT_Q8X2:
+            tile_g(W, o0, n, xq + off2 + <Py_ssize_t>s0 * I, I, (xg + goff2 + s0 * gstride) if xg != NULL else NULL,
+                   gstride, xs + soff2 + <Py_ssize_t>s0 * nb, nb, R, t2)
+        for p in range(R):
+            for r in range(n):
+                y[<Py_ssize_t>(s0 + p) * O + o0 + r] = (t1[p * n + r] + t2[p * n + r]) if idot == IDOT_Q8X2 \
+                    else t1[p * n + r]
+
+
 cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const float *xs, int nb, int blk,
                          int idot, float *y, const int32_t *xsum=NULL) noexcept nogil:
     """Output column o of an integer-path matmul for all S activation rows: y[s, o].
@@ -319,6 +538,9 @@ cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const flo
     cdef int s0, R, r, I = W.I, O = W.O
     cdef const uint8_t *row = W.q + <Py_ssize_t>o * W.rb
     cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb
+    if W.gs > 0:
+        int_row_g(W, o, S, xq, xs, nb, blk, idot, y)
+        return
     if S == 1:
         if W.fmt == FMT_I8:
             r1[0] = (coli_rowdot2_i8(<const int8_t *>row, xq, xs, xq + off2, xs + soff2, I, blk)
@@ -354,12 +576,13 @@ cdef inline int n_groups(int O) noexcept nogil:
 
 
 cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const float *xs, int nb, int blk,
-                           int idot, float *y, const int32_t *xsum=NULL) noexcept nogil:
+                           int idot, float *y, const int32_t *xsum=NULL, const uint8_t *xg=NULL,
+                           Py_ssize_t gstride=0) noexcept nogil:
     """Output columns GROUP_ROWS·grp .. (the group's rows < W.O) of an integer-path matmul for all
     S activation rows, prefetching the weights PREFETCH_GROUPS groups ahead. With the activations'
     block sums known (idot=2) the four-row kernels take two activation rows at a time (one pass
-    over the activations for four weight rows; bit-identical to int_row per column); anything else
-    is int_row per column."""
+    over the activations for four weight rows; bit-identical to int_row per column); group-scaled
+    matrices take int_group_g (the tile kernel); anything else is int_row per column."""
     cdef float r4[2 * GROUP_ROWS]
     cdef int o0 = grp * GROUP_ROWS, r, s, p, ahead = o0 + PREFETCH_GROUPS * GROUP_ROWS
     cdef Py_ssize_t q, m
@@ -369,6 +592,12 @@ cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const
     if PREFETCH_GROUPS > 0 and ahead < W.O:
         coli_prefetch_row(W.q + <Py_ssize_t>ahead * W.rb,
                           (GROUP_ROWS if W.O - ahead > GROUP_ROWS else W.O - ahead) * W.rb)
+        if W.gs > 0:        # and the group scales of those rows
+            coli_prefetch_row(W.s + <Py_ssize_t>ahead * W.G,
+                              (GROUP_ROWS if W.O - ahead > GROUP_ROWS else W.O - ahead) * W.G * 4)
+    if W.gs > 0 and GROUP_KERNELS:
+        int_group_g(W, o0, n, S, xq, xs, nb, blk, idot, y, xg if wants_split(W, nb) else NULL, gstride)
+        return
     if n == GROUP_ROWS and idot == IDOT_Q8X2 and xsum != NULL and GROUP_KERNELS:
         # activation rows two at a time (verify and prefill batches), then the odd one (decode)
         for s in range(0, S, 2):
@@ -425,24 +654,30 @@ cdef inline void quant_rows(const float *x, int S, int I, int blk, int nb, int i
 
 
 cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
-                    int8_t *xq, float *xs, float *xr, int block, int idot, int32_t *xsum=NULL) noexcept nogil:
+                    int8_t *xq, float *xs, float *xr, int block, int idot, int32_t *xsum=NULL,
+                    uint8_t *xg=NULL) noexcept nogil:
     """y[S, O] = x[S, I] · Wᵀ. Each output element is computed by one thread, and a row's result
     does not depend on S, so batched verification computes exactly what single-row decode does.
 
     Integer paths (int8/int4 weights): x ≈ Σ_b xs_b · q_b per activation block; with IDOT_Q8X2 the
     residual x − xs·q is quantized again, so x ≈ xs·q + xs'·q' (error ~1/(127·254) of the block's
     max instead of 1/254) at the cost of a second integer dot.
-    Scratch: xq int8 [2·S·I], xs f32 [2·S·nblocks], xr f32 [I]."""
+    Scratch: xq int8 [2·S·I], xs f32 [2·S·nblocks], xr f32 [I]; xg (group-scaled int4 W; NULL:
+    none) [2·S·coli_split_len(I)] bytes for the activations' split forms."""
     cdef int O = W.O, I = W.I
     cdef int o, s, nb, blk
+    cdef Py_ssize_t gstride
     # Small products run on one thread: a parallel region costs more than it saves there.
     cdef int nt = 1 if <double>O * I * S < PARALLEL_MIN_MACS else coli_max_threads()
     if (W.fmt == FMT_I8 or W.fmt == FMT_I4) and idot != IDOT_FLOAT:
         nb = act_nblocks(I, block)
         blk = I if nb == 1 else block
         quant_rows(x, S, I, blk, nb, idot, xq, xs, xr, xsum)
+        gstride = coli_split_len(I)
+        if xg != NULL and wants_split(W, nb):
+            split_rows(xq, (2 if idot == IDOT_Q8X2 else 1) * S, I, xg, gstride)
         for o in prange(n_groups(O), schedule='static', nogil=True, num_threads=nt):
-            int_group(W, o, S, xq, xs, nb, blk, idot, y, xsum)
+            int_group(W, o, S, xq, xs, nb, blk, idot, y, xsum, xg, gstride)
         return
     for o in prange(O, schedule='static', nogil=True, num_threads=nt):
         for s in range(S):
@@ -454,7 +689,7 @@ cdef enum:
 
 
 cdef void matmul_many(const QTc **Ws, float **ys, int nW, const float *x, int S, int8_t *xq, float *xs,
-                      float *xr, int block, int idot, int32_t *xsum) noexcept nogil:
+                      float *xr, int block, int idot, int32_t *xsum, uint8_t *xg=NULL) noexcept nogil:
     """ys[k][S, O_k] = x[S, I] · W_kᵀ for nW (<= MANY_MAX) integer-format matrices of the same input
     width: x is quantized once and one parallel region covers the output groups of all of them
     (attention's input projections q_a, kv_a and the indexer's wk). Every output is computed as
@@ -469,12 +704,18 @@ cdef void matmul_many(const QTc **Ws, float **ys, int nW, const float *x, int S,
         macs += <double>Ws[k].O * I * S
     starts[nW] = total
     cdef int nt = 1 if macs < PARALLEL_MIN_MACS else coli_max_threads()
+    cdef Py_ssize_t gstride = coli_split_len(I)
+    cdef bint split = False
     quant_rows(x, S, I, blk, nb, idot, xq, xs, xr, xsum)
+    for k in range(nW):
+        split = split or wants_split(Ws[k], nb)
+    if xg != NULL and split:
+        split_rows(xq, (2 if idot == IDOT_Q8X2 else 1) * S, I, xg, gstride)
     for g in prange(total, schedule='static', nogil=True, num_threads=nt):
         k = 0
         while starts[k + 1] <= g:
             k = k + 1
-        int_group(Ws[k], g - starts[k], S, xq, xs, nb, blk, idot, ys[k], xsum)
+        int_group(Ws[k], g - starts[k], S, xq, xs, nb, blk, idot, ys[k], xsum, xg, gstride)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,6 +743,7 @@ cdef struct FfnJob:
     Py_ssize_t h0                       # its hidden g/u [nr, I]
     Py_ssize_t hq0, hs0                 # its quantized hidden [2·nr, I] and their scales
     Py_ssize_t y0                       # its down outputs [nr, D]
+    Py_ssize_t xg0, hg0                 # split forms of its quantized inputs / hidden (group-scaled int4)
 
 
 cdef inline int job_of(const FfnJob *jobs, int nj, int item, bint by_work) noexcept nogil:
@@ -520,7 +762,8 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
                     const int *urow, const float *uw, int block, int idot,
                     int8_t *xq, float *xs, float *g, float *u, int8_t *hq, float *hs, float *yd,
                     float *xr, Py_ssize_t xr_stride, float *out, int nt,
-                    int32_t *xm, int32_t *hm, bint accumulate=True) noexcept nogil:
+                    int32_t *xm, int32_t *hm, bint accumulate=True, uint8_t *xg=NULL, Py_ssize_t xgs=0,
+                    uint8_t *hg=NULL, Py_ssize_t hgs=0) noexcept nogil:
     """out[urow[p], :] += uw[p] · FFN_j(x[urow[p], :]) for every pair p of every job j, in job
     order (accumulate=False: only the FFN outputs, left in yd for ffn_accumulate). Five phases
     separated by barriers: quantize the inputs; gate and up rows of every FFN (one work item per
@@ -528,7 +771,8 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
     output columns of one FFN per item); the sums over the FFNs in job order. Each value is
     computed by one thread with the same kernels and the same order as the unfused path (matmul_qt
     per FFN, then out += w · y), so the results are bit-identical to it and independent of the
-    thread count."""
+    thread count. xg / hg (NULL: none): room for the split forms of the quantized inputs / hidden
+    rows (rows xgs / hgs bytes apart), made when a job's group-scaled int4 matrices read them."""
     cdef int p, w, o, k, j, r, i, t, nbD = act_nblocks(D, block)
     cdef int blkD = D if nbD == 1 else block
     cdef const FfnJob *J
@@ -542,15 +786,19 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
                       xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, xs + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD,
                       xr + t * xr_stride, (xm + J.xs0 + <Py_ssize_t>r * nbD) if xm != NULL else NULL,
                       (xm + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD) if xm != NULL else NULL)
+            if xg != NULL and (wants_split(J.gate, nbD) or wants_split(J.up, nbD)):
+                split_rows(xq + J.x0 + <Py_ssize_t>r * D, 1, D, xg + J.xg0 + r * xgs, xgs)
+                if idot == IDOT_Q8X2:
+                    split_rows(xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, 1, D, xg + J.xg0 + (J.nr + r) * xgs, xgs)
         for w in prange(nwork, schedule='static'):
             J = &jobs[job_of(jobs, nj, w, True)]
             k = w - J.w0
             if k < n_groups(J.I):
                 int_group(J.gate, k, J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, g + J.h0,
-                          (xm + J.xs0) if xm != NULL else NULL)
+                          (xm + J.xs0) if xm != NULL else NULL, (xg + J.xg0) if xg != NULL else NULL, xgs)
             else:
                 int_group(J.up, k - n_groups(J.I), J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, u + J.h0,
-                          (xm + J.xs0) if xm != NULL else NULL)
+                          (xm + J.xs0) if xm != NULL else NULL, (xg + J.xg0) if xg != NULL else NULL, xgs)
         for p in prange(npairs, schedule='static'):
             J = &jobs[job_of(jobs, nj, p, False)]
             r = p - J.row0
@@ -561,12 +809,16 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
                       hq + J.hq0 + <Py_ssize_t>(J.nr + r) * J.I, hs + J.hs0 + <Py_ssize_t>(J.nr + r) * J.nbI,
                       xr + t * xr_stride, (hm + J.hs0 + <Py_ssize_t>r * J.nbI) if hm != NULL else NULL,
                       (hm + J.hs0 + <Py_ssize_t>(J.nr + r) * J.nbI) if hm != NULL else NULL)
+            if hg != NULL and wants_split(J.down, J.nbI):
+                split_rows(hq + J.hq0 + <Py_ssize_t>r * J.I, 1, J.I, hg + J.hg0 + r * hgs, hgs)
+                if idot == IDOT_Q8X2:
+                    split_rows(hq + J.hq0 + <Py_ssize_t>(J.nr + r) * J.I, 1, J.I, hg + J.hg0 + (J.nr + r) * hgs, hgs)
         # down rows job by job (one weight stream at a time: interleaving the jobs' streams ran
         # ~20% slower from RAM), then the sums over the jobs in job order
         for w in prange(nj * n_groups(D), schedule='static'):
             J = &jobs[w // n_groups(D)]
             int_group(J.down, w % n_groups(D), J.nr, hq + J.hq0, hs + J.hs0, J.nbI, J.blkI, idot, yd + J.y0,
-                      (hm + J.hs0) if hm != NULL else NULL)
+                      (hm + J.hs0) if hm != NULL else NULL, (hg + J.hg0) if hg != NULL else NULL, hgs)
         if accumulate:
             for i in prange(D, schedule='static'):
                 add_ffn_outputs(jobs, NULL, nj, urow, uw, False, D, yd, out, i)
@@ -601,7 +853,7 @@ cdef class FfnScratch:
     """Buffers of a fused FFN group: up to max_jobs FFNs over max_pairs (FFN, row) pairs."""
     cdef FfnJob *jobs
     cdef public int max_jobs, max_pairs, D, I
-    cdef public object xq, xs, g, u, hq, hs, yd, xr, urow, uw, xm, hm
+    cdef public object xq, xs, g, u, hq, hs, yd, xr, urow, uw, xm, hm, xg, hg
     # raw pointers into the arrays above (kept alive by this object): no buffer acquisition per call
     cdef int8_t *p_xq
     cdef int8_t *p_hq
@@ -615,7 +867,9 @@ cdef class FfnScratch:
     cdef int *p_urow
     cdef int32_t *p_xm
     cdef int32_t *p_hm
-    cdef Py_ssize_t xr_stride
+    cdef uint8_t *p_xg
+    cdef uint8_t *p_hg
+    cdef Py_ssize_t xr_stride, xgs, hgs
 
     def __cinit__(self, int max_jobs, int max_pairs, int D, int I, int nt):
         self.jobs = <FfnJob *>malloc(max_jobs * sizeof(FfnJob))
@@ -630,6 +884,7 @@ cdef class FfnScratch:
         self.hs = np.zeros(2 * max_pairs * I, np.float32)
         self.xm = np.zeros(2 * max_pairs * D, np.int32)       # block sums of xq / hq (same layout as xs / hs)
         self.hm = np.zeros(2 * max_pairs * I, np.int32)
+        self.xgs, self.hgs = coli_split_len(D), coli_split_len(I)   # split rows of xq / hq (split_room)
         self.yd = np.zeros(max_pairs * D, np.float32)
         self.xr = np.zeros((max(nt, 1), max(D, I)), np.float32)
         self.urow = np.zeros(max_pairs, np.int32)
@@ -642,7 +897,21 @@ cdef class FfnScratch:
         self.p_xq, self.p_hq, self.p_xs, self.p_g, self.p_u = &xq[0], &hq[0], &xs[0], &g[0], &u[0]
         self.p_hs, self.p_yd, self.p_xr, self.p_uw, self.p_urow = &hs[0], &yd[0], &xr[0, 0], &uw[0], &urow[0]
         self.p_xm, self.p_hm = &xm[0], &hm[0]
+        self.p_xg = self.p_hg = NULL
         self.xr_stride = xr.shape[1]
+
+    def split_room(self):
+        """Allocate the room for the split forms of the quantized inputs and hidden rows (needed by
+        group-scaled int4 matrices only)."""
+        if self.xg is None:
+            self.xg = np.zeros(2 * self.max_pairs * self.xgs, np.uint8)
+            self.hg = np.zeros(2 * self.max_pairs * self.hgs, np.uint8)
+            self.p_xg = self._data(self.xg)
+            self.p_hg = self._data(self.hg)
+
+    cdef uint8_t *_data(self, a):
+        cdef uint8_t[::1] v = a          # a stays referenced by self: the pointer outlives v
+        return &v[0]
 
     def __dealloc__(self):
         free(self.jobs)
@@ -904,7 +1173,13 @@ def matmul(QT W, x, int block=0, int idot=IDOT_Q8X2):
     cdef int8_t[::1] qv = xq
     cdef float[::1] sv = xs, rv = xr
     cdef int32_t[::1] mv = xm
-    matmul_qt(&W.c, &xv[0, 0], S, &yv[0, 0], &qv[0], &sv[0], &rv[0], block, idot, &mv[0] if BLOCK_SUMS else NULL)
+    cdef uint8_t[::1] gv
+    cdef uint8_t *xg = NULL
+    if W.c.gs > 0 and W.c.fmt == FMT_I4:           # room for the activations' split forms
+        gv = np.empty(2 * S * coli_split_len(W.c.I), np.uint8)
+        xg = &gv[0]
+    matmul_qt(&W.c, &xv[0, 0], S, &yv[0, 0], &qv[0], &sv[0], &rv[0], block, idot, &mv[0] if BLOCK_SUMS else NULL,
+              xg)
     return y
 
 
@@ -1100,6 +1375,8 @@ cdef class Model:
     cdef public bint pilot                        # router-lookahead prefetch of layer L+1's experts
     cdef public bint direct                       # O_DIRECT reads of expert payloads
     cdef object _direct_fds, _io, _slabs
+    cdef object _gsplit                           # split activation rows for group-scaled int4 (see _split_scratch)
+    cdef public bint grouped4                     # a group-scaled int4 matrix has been loaded (resident or expert)
     # Counters
     cdef public long long bytes_read, forwards, decode_forwards, emitted
     cdef public object trace                      # None, or a list that collects (forward, layer, rows, experts)
@@ -1123,9 +1400,15 @@ cdef class Model:
             info = st.info(name)
             if info.dtype not in ("U8", "I8"):
                 raise _st.ContainerError(f"{info.path}: {name} has a .qs scale but dtype {info.dtype}, expected U8")
-            return QT.from_packed(st.read_raw(name), st.read_f32(name + ".qs"), O, I, name)
+            W = QT.from_packed(st.read_raw(name), st.read_f32(name + ".qs"), O, I, f"{info.path}: {name}")
+            self._note_groups(W)
+            return W
         w = st.read_f32(name)
         return self._qt_from_float(w, name, O, I, bits)
+
+    def _note_groups(self, QT W):
+        if W.c.gs > 0 and W.c.fmt == FMT_I4:
+            self.grouped4 = True          # the fused FFN group then keeps room for split activations
 
     def _qt_from_float(self, w, name, int O, int I, int bits):
         if tuple(w.shape) != (O, I):
@@ -1207,9 +1490,12 @@ cdef class Model:
                 info = self.st.info(name)
                 rows, cols = (c.hidden, c.moe_inter) if m == "down_proj" else (c.moe_inter, c.hidden)
                 if name + ".qs" in self.st:
-                    if fmt_from_nbytes(info.nbytes, rows, cols) < 0:
+                    fmt = fmt_from_nbytes(info.nbytes, rows, cols)
+                    if fmt < 0:
                         raise _st.ContainerError(f"{info.path}: {name} has {info.nbytes} bytes, which is no "
                                                  f"int8/int4/int2 packing of [{rows}, {cols}]")
+                    qs = self.st.info(name + ".qs")     # per-row or group scales (read per expert later)
+                    _quant.scale_group_size(qs.shape, FORMAT_NAMES[fmt], rows, cols, f"{qs.path}: {name}")
                 elif tuple(info.shape) != (rows, cols):
                     raise _st.ContainerError(f"{info.path}: tensor {name} has shape {tuple(info.shape)}, "
                                              f"expected ({rows}, {cols})")
@@ -1263,6 +1549,7 @@ cdef class Model:
                 self.bytes_read += scale.nbytes
                 qts.append(QT.from_packed(slab[starts[k]:starts[k] + infos[k].nbytes], scale,
                                           shapes[k][0], shapes[k][1], names[k]))
+                self._note_groups(qts[k])
             E.slab = slab
             E.nbytes = total
         else:
@@ -1389,15 +1676,28 @@ cdef class Model:
         self._ws = ws
         return ws
 
+    def _split_scratch(self, int S, int I):
+        """Room for the split forms of 2·S activation rows of width I (group-scaled int4 matmuls,
+        coli_split_q8), grown as needed and kept."""
+        n = 2 * S * coli_split_len(I)
+        if self._gsplit is None or self._gsplit.shape[0] < n:
+            self._gsplit = np.zeros(n, np.uint8)
+        return self._gsplit
+
     cdef int _mm(self, QT W, const float *x, int S, float *y, Work ws) except -1:
         """y[S, O] = x[S, I] · Wᵀ with the GIL released; the scratch must hold S rows of W's width."""
+        cdef uint8_t[::1] gb
+        cdef uint8_t *xg = NULL
         if 2 * <Py_ssize_t>S * W.c.I > ws.xq.shape[0] or W.c.I > ws.xr.shape[0] or \
                 2 * <Py_ssize_t>S * act_nblocks(W.c.I, self.act_block) > ws.xs.shape[0]:
             raise EngineError(f"matmul of {S} rows x {W.c.I} inputs exceeds the activation scratch "
                               f"({ws.xq.shape[0] // 2} values)")
+        if W.c.gs > 0 and W.c.fmt == FMT_I4:
+            gb = self._split_scratch(S, W.c.I)
+            xg = &gb[0]
         with nogil:
             matmul_qt(&W.c, x, S, y, &ws.xq[0], &ws.xs[0], &ws.xr[0], self.act_block, self.idot,
-                      &ws.xm[0] if BLOCK_SUMS else NULL)
+                      &ws.xm[0] if BLOCK_SUMS else NULL, xg)
         return 0
 
     cdef int _mm_many(self, list Ws, const float *x, int S, list outs, Work ws) except -1:
@@ -1406,6 +1706,7 @@ cdef class Model:
         cdef const QTc *cs[MANY_MAX]
         cdef float *ys[MANY_MAX]
         cdef float[:, ::1] o
+        cdef uint8_t[::1] gb
         cdef int k, nW = len(Ws)
         if not 0 < nW <= MANY_MAX or len(outs) != nW:
             raise EngineError("matmul_many: 1 to 4 matrices, one output each")
@@ -1419,9 +1720,13 @@ cdef class Model:
         if 2 * <Py_ssize_t>S * cs[0].I > ws.xq.shape[0] or cs[0].I > ws.xr.shape[0] or \
                 2 * <Py_ssize_t>S * act_nblocks(cs[0].I, self.act_block) > ws.xs.shape[0]:
             raise EngineError(f"matmul of {S} rows x {cs[0].I} inputs exceeds the activation scratch")
+        cdef uint8_t *xg = NULL
+        if any((<QT>W).c.gs > 0 and (<QT>W).c.fmt == FMT_I4 for W in Ws):
+            gb = self._split_scratch(S, cs[0].I)
+            xg = &gb[0]
         with nogil:
             matmul_many(cs, ys, nW, x, S, &ws.xq[0], &ws.xs[0], &ws.xr[0], self.act_block, self.idot,
-                        &ws.xm[0] if BLOCK_SUMS else NULL)
+                        &ws.xm[0] if BLOCK_SUMS else NULL, xg)
         return 0
 
     # -- forward -------------------------------------------------------------------------------
@@ -1641,6 +1946,8 @@ cdef class Model:
             Imax = max(Imax, (<QT>f[0]).c.O)
         npairs = sum(f[4] for f in ffns)
         cdef FfnScratch fs = self._ffn_scratch(p0 + npairs, j0 + nj, Imax)
+        if self.grouped4:
+            fs.split_room()
         cdef int r
         if rows is None:                  # one FFN on rows 0..S-1 with weight 1
             for r in range(S):
@@ -1658,6 +1965,7 @@ cdef class Model:
             J.blkI = J.I if J.nbI == 1 else self.act_block
             J.x0, J.xs0, J.y0 = 2 * row0 * D, 2 * row0 * nbD, row0 * D
             J.h0, J.hq0, J.hs0 = row0 * W, 2 * row0 * W, 2 * row0 * W
+            J.xg0, J.hg0 = 2 * row0 * fs.xgs, 2 * row0 * fs.hgs
             h += nr * J.I
             nwork += 2 * n_groups(J.I)
         cdef double macs = 3.0 * <double>h * D
@@ -1667,7 +1975,7 @@ cdef class Model:
             ffn_group(fs.jobs + j0, nj, npairs, nwork, &n[0, 0], D, fs.p_urow + p0, fs.p_uw + p0, block,
                       idot, fs.p_xq, fs.p_xs, fs.p_g, fs.p_u, fs.p_hq, fs.p_hs, fs.p_yd, fs.p_xr,
                       fs.xr_stride, &out[0, 0], nt, fs.p_xm if BLOCK_SUMS else NULL,
-                      fs.p_hm if BLOCK_SUMS else NULL, accumulate)
+                      fs.p_hm if BLOCK_SUMS else NULL, accumulate, fs.p_xg, fs.xgs, fs.p_hg, fs.hgs)
 
     def _ffn_accumulate(self, order, float[:, ::1] out):
         """out += the outputs of the scratch's jobs, in the job slots' order `order` (see
@@ -1988,9 +2296,14 @@ cdef class Model:
         cdef int8_t[::1] qv = xq
         cdef float[::1] sv = xs, rv = xr
         cdef int32_t[::1] mv = xm
+        cdef uint8_t[::1] gb
+        cdef uint8_t *xg = NULL
+        if self.lm_head.c.gs > 0 and self.lm_head.c.fmt == FMT_I4:
+            gb = self._split_scratch(S, self.cfg.hidden)
+            xg = &gb[0]
         with nogil:
             matmul_qt(&self.lm_head.c, &hv[0, 0], S, &lv[0, 0], &qv[0], &sv[0], &rv[0], self.act_block, self.idot,
-                      &mv[0] if BLOCK_SUMS else NULL)
+                      &mv[0] if BLOCK_SUMS else NULL, xg)
         if np.isnan(logits).any():
             raise EngineError("NaN in the logits (non-finite activations or weights)")
         return logits

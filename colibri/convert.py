@@ -4,6 +4,7 @@ Usage (through the CLI dispatcher)::
 
     python -m colibri convert SRC DST [--expert-bits 4] [--dense-bits 4]
                                       [--io-bits 8] [--mtp-bits 8] [--indexer-bits 8]
+                                      [--group-size 0]
 
 SRC is a directory of safetensors shards (BF16, F16, F32, or FP8 ``F8_E4M3``
 with ``*_scale_inv`` 128x128 block scales) plus ``config.json``.  DST receives
@@ -20,8 +21,10 @@ warning), every output tensor is planned from the headers, and DST's file
 system must have room for the planned output (:func:`output_bytes`).
 
 Container (engine spec 2.3): a quantized matrix NAME [O, I] is stored as NAME
-(U8, 1-D packed payload) plus NAME.qs (F32 [O] row scales); everything else is
-F32.  Files are written with ``safetensors.numpy.save_file`` (dtype-descending,
+(U8, 1-D packed payload) plus NAME.qs (F32 [O] row scales, or with
+``--group-size GS`` for the int4 matrices F32 [O, ceil(I/GS)], one scale per GS
+inputs of a row as colibrì's converter writes by default with GS = 64);
+everything else is F32.  Files are written with ``safetensors.numpy.save_file`` (dtype-descending,
 then name-ascending order), so the three payloads of one routed expert are
 adjacent on disk (down, gate, up) and the files are byte-compatible with the
 reference converter's.
@@ -123,6 +126,7 @@ class ConvertOptions:
     io_bits: int = DEFAULT_BITS["io"]
     mtp_bits: int = DEFAULT_BITS["mtp"]
     indexer_bits: int = DEFAULT_BITS["indexer"]
+    group_size: int = 0  # int4 matrices: 0 = one scale per row, else one per group of this many inputs
 
     def __post_init__(self):
         for cls, bits in self.bits().items():
@@ -132,6 +136,7 @@ class ConvertOptions:
                 raise ValueError(
                     f"--{cls}-bits {bits!r}: use 2..8 to quantize or >= 16 to keep float32"
                 ) from None
+        quant.check_group_size(self.group_size, "--group-size")
 
     def bits(self) -> Dict[str, int]:
         return {
@@ -157,15 +162,17 @@ class PlanItem:
     row0: int  # first row of this matrix inside the source matrix
     shape: Tuple[int, ...]  # logical shape of the output ([O, I] for matrices)
     matrix: bool  # 2-D, read by row blocks
+    group: int = 0  # inputs per scale (0: one scale per row)
 
     def outputs(self) -> List[Tuple[str, str, Tuple[int, ...]]]:
         """(name, dtype, shape) of the tensors this item writes."""
         if self.fmt == "f32":
             return [(self.out_name, "F32", self.shape)]
         O, I = self.shape
+        qs_shape = (O,) if self.group == 0 else (O, quant.n_groups(I, self.group))
         return [
             (self.out_name, "U8", (quant.payload_nbytes(self.fmt, O, I),)),
-            (self.out_name + ".qs", "F32", (O,)),
+            (self.out_name + ".qs", "F32", qs_shape),
         ]
 
 
@@ -352,9 +359,11 @@ def _item_for_matrix(out_name, src, scale, lead, row0, rows, cols, cfg, nl, opts
         fmt = quant.storage_format(bits, rows, cols)
         if fmt == "f32":
             bits = 32
+    # group scales for the int4 matrices (colibrì's layout) whose rows hold more than one group
+    group = opts.group_size if fmt == "int4" and quant.n_groups(cols, opts.group_size) > 1 else 0
     return PlanItem(out_name=out_name, cls=cls,
                     fmt=fmt, bits=bits, src=src, scale=scale, lead=lead, row0=row0,
-                    shape=(rows, cols), matrix=True)
+                    shape=(rows, cols), matrix=True, group=group)
 
 
 def _scale_for(index: SafeTensorsDir, info: TensorInfo, block: Tuple[int, int]) -> Optional[TensorInfo]:
@@ -552,14 +561,14 @@ def _convert_item(index: SafeTensorsDir, it: PlanItem, out: Dict[str, np.ndarray
         return
     rb = quant.payload_nbytes(it.fmt, 1, I)
     payload = np.empty(O * rb, dtype=np.uint8)
-    qs = np.empty(O, dtype=np.float32)
+    qs = np.empty(O if it.group == 0 else (O, quant.n_groups(I, it.group)), dtype=np.float32)
     for r0 in range(0, O, step):
         r1 = min(O, r0 + step)
         x = _read_rows(index, it, r0, r1, scales, block)
         bad = ~np.isfinite(x)
         if bad.any():
             raise _nonfinite_error(it, r0 + int(np.argmax(bad.any(axis=1))))
-        v, s = quant.quantize_rows(x, it.bits)
+        v, s = quant.quantize_groups(x, it.bits, it.group)   # groups lie within rows: any row block
         payload[r0 * rb : r1 * rb] = quant.pack(v, it.fmt).reshape(-1)
         qs[r0:r1] = s
     out[it.out_name] = payload
@@ -711,10 +720,15 @@ def _manifest(src_abs, index, cfg, opts, block, plans, copied, complete) -> dict
         "shards": shards,
         "num_hidden_layers": int(cfg["num_hidden_layers"]),
         "bits": bits,
+        "group_size": int(opts.group_size),
         "containers": {k: quant.container_format(v) for k, v in bits.items()},
         "quantization": {
-            "scheme": "per-row symmetric, scale = max(amax/qmax, 1e-8), v = rint(w/s)",
-            "payload": "NAME U8 1-D packed rows + NAME.qs F32 [O]",
+            "scheme": ("per-row symmetric, scale = max(amax/qmax, 1e-8), v = rint(w/s)" if not opts.group_size
+                       else f"symmetric per group of {opts.group_size} inputs of each row for int4 "
+                            "(per row for int8 / int2 and rows of one group), "
+                            "scale = max(amax/qmax, 1e-8), v = rint(w/s)"),
+            "payload": ("NAME U8 1-D packed rows + NAME.qs F32 [O]" if not opts.group_size
+                        else f"NAME U8 1-D packed rows + NAME.qs F32 [O, ceil(I/{opts.group_size})] (int4), [O] else"),
         },
         "fp8_block_size": list(block),
         "classes": classes,
@@ -726,7 +740,10 @@ def _manifest_bytes(m: dict) -> bytes:
     return (json.dumps(m, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
-_MANIFEST_KEYS = ("format", "format_version", "source_shards", "num_hidden_layers", "bits", "fp8_block_size")
+_MANIFEST_KEYS = ("format", "format_version", "source_shards", "num_hidden_layers", "bits", "fp8_block_size",
+                  "group_size")
+#: Value of a key that manifests written before it existed imply.
+_MANIFEST_DEFAULTS = {"group_size": 0}
 
 
 def _check_resumable(dst: str, manifest: dict, plans: List[List[PlanItem]]) -> None:
@@ -742,7 +759,7 @@ def _check_resumable(dst: str, manifest: dict, plans: List[List[PlanItem]]) -> N
                 raise ValueError("not a JSON object")
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise ContainerError(f"{mpath}: unreadable ({e}); use an empty destination directory") from e
-        diff = [k for k in _MANIFEST_KEYS if old.get(k) != manifest.get(k)]
+        diff = [k for k in _MANIFEST_KEYS if old.get(k, _MANIFEST_DEFAULTS.get(k)) != manifest.get(k)]
         if diff:
             raise ContainerError(
                 f"{dst}: already holds a conversion with different {', '.join(diff)} "
@@ -954,6 +971,15 @@ def _bits_arg(text: str) -> int:
     return bits
 
 
+def _group_arg(text: str) -> int:
+    try:
+        return quant.check_group_size(int(text), "group size")
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid group size {text!r}: use 0 (one scale per row) or 64, 128, 256, ... (64 times a power of 2)"
+        ) from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``convert`` arguments to ``parser``."""
     parser.add_argument("src", metavar="SRC", help="directory with the HF safetensors shards and config.json "
@@ -971,6 +997,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s)")
     parser.add_argument("--indexer-bits", type=_bits_arg, metavar="N", default=DEFAULT_BITS["indexer"],
                         help="DSA indexer projections (default %(default)s)")
+    parser.add_argument("--group-size", type=_group_arg, metavar="N", default=0,
+                        help="int4 matrices: one scale per N inputs of each row (64, 128, 256, ...; the "
+                             "last group of a row partial) instead of one per row (0, the default). "
+                             "colibrì's own converter writes 64 by default; the engine reads both. "
+                             "Example: convert SRC DST --group-size 64")
 
 
 def run(args: argparse.Namespace, _stop_after_shards: Optional[int] = None) -> int:
@@ -986,7 +1017,7 @@ def run(args: argparse.Namespace, _stop_after_shards: Optional[int] = None) -> i
     try:
         opts = ConvertOptions(expert_bits=args.expert_bits, dense_bits=args.dense_bits,
                               io_bits=args.io_bits, mtp_bits=args.mtp_bits,
-                              indexer_bits=args.indexer_bits)
+                              indexer_bits=args.indexer_bits, group_size=getattr(args, "group_size", 0))
         convert(args.src, args.dst, opts, stop_after_shards=stop)
     except (ContainerError, ValueError, OSError) as e:
         print(f"colibri convert: error: {e}", file=sys.stderr)

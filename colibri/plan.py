@@ -4,7 +4,7 @@ No weight is loaded and no tensor data is read: only ``config.json`` and the saf
 The numbers are those the engine uses (or would get) when it runs the model:
 
 - **resident**: the weights ``model_init`` keeps in RAM. ``resident.engine_bytes`` is exactly what
-  ``Model.resident_bytes()`` returns: the QT bytes (payload + 4-byte row scales, or 4·O·I for f32)
+  ``Model.resident_bytes()`` returns: the QT bytes (payload + 4-byte row or group scales, or 4·O·I for f32)
   of embed, lm_head (once when tied), and per layer q_a, q_b, kv_a, kv_b, o_proj, the dense MLP or
   the shared experts, the DSA indexer's wq_b, wk, weights_proj, the norm vectors (f32), the
   indexer's k_norm weight and bias, the MoE router (f32 [n_experts, hidden]) and its correction
@@ -40,7 +40,7 @@ from types import SimpleNamespace
 
 from . import budget as _budget
 from .config import ConfigError, indexer_missing, load_config
-from .quant import infer_format, payload_nbytes, storage_format
+from .quant import infer_format, payload_nbytes, scale_group_size, storage_format
 from .st import FLOAT_DTYPES, ContainerError, SafeTensorsDir
 
 __all__ = ["PlanError", "DEFAULT_CTX", "kv_bytes", "work_bytes", "build_report", "add_arguments", "run",
@@ -109,14 +109,15 @@ class _Acc:
             if info.dtype not in ("U8", "I8"):
                 raise PlanError(f"{info.path}: {name} has a .qs scale but dtype {info.dtype}, expected U8")
             qs = self.st.info(name + ".qs")
-            if qs.numel != O:
-                raise PlanError(f"{qs.path}: {name}.qs has {qs.numel} scales for {O} rows")
             try:
-                infer_format(info.nbytes, O, I, f"{info.path}: {name}")
+                fmt = infer_format(info.nbytes, O, I, f"{info.path}: {name}")
+                # per-row [O] or group scales [O, G] / [O·G]: the engine's own check
+                scale_group_size(qs.shape, fmt, O, I, f"{qs.path}: {name}")
             except ContainerError as e:
                 raise PlanError(str(e)) from None
             self.n_packed += 1
-            return info.nbytes + 4 * O, info.nbytes + qs.nbytes
+            # RAM: the payload + the scales as f32 (QT.nbytes); disk: both tensors as stored
+            return info.nbytes + 4 * qs.numel, info.nbytes + qs.nbytes
         if info.dtype not in FLOAT_DTYPES:
             raise PlanError(f"{info.path}: tensor {name} has dtype {info.dtype}, which is neither a float "
                             "nor a packed payload with a .qs scale")

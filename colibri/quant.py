@@ -1,12 +1,19 @@
 """Weight quantizers, packers and dequantizers (numpy), engine spec sections 3.1 and 2.3.
 
-Scheme: one symmetric scale per output row (the whole row is the group).
-For a row ``w`` of a matrix [O, I] and ``qmax = 2**(bits-1) - 1``:
+Scheme: symmetric scales, one per output row (the whole row is the group), or one per group of
+``gs`` inputs of each row (group-scaled: colibrì's converter default since mid-2026, gs = 64; the
+last group of a row is partial when gs does not divide I). For each group ``w`` (a whole row, or
+``gs`` consecutive inputs of one) and ``qmax = 2**(bits-1) - 1``:
 
 * ``amax = max |w|``                      (float32)
-* ``s = max(amax / qmax, 1e-8)``          (float32 division, float32 floor)
+* ``s = max(amax / qmax, 1e-8)``          (float32 division, float32 floor; the floor keeps an
+  all-zero row or group finite: colibrì's rule "group amax / 7" with our existing 1e-8 floor)
 * ``v = clip(rint(w / s), -qmax-1, qmax)`` (float32 division, round-half-even)
 * dequantized value = ``v * s``.
+
+Scales in the container: ``NAME.qs`` F32 with O values (per row) or O·ceil(I/gs) values, row
+after row (shape [O, G] or flat [O·G]); the group size is inferred from the count
+(:func:`scale_group_size`, the one validator of scale counts).
 
 Containers (the payload written for a matrix, row-major, rows back to back):
 
@@ -40,9 +47,15 @@ __all__ = [
     "payload_nbytes",
     "infer_format",
     "storage_format",
+    "GROUP_BASE",
+    "n_groups",
+    "check_group_size",
+    "scale_group_size",
     "row_scales",
+    "group_scales",
     "quantize_with_scales",
     "quantize_rows",
+    "quantize_groups",
     "pack_int8",
     "pack_int4",
     "pack_int2",
@@ -59,6 +72,14 @@ __all__ = [
 SCALE_FLOOR = np.float32(1e-8)
 
 _FORMATS = ("int8", "int4", "int2")
+
+#: Group sizes are GROUP_BASE · 2^k (64, 128, 256, ...): the engine's activation blocks are
+#: multiples of 64 too, and distinct such sizes give distinct group counts for one row length
+#: (unless the row is a single group, which is per-row anyway), so a count names its size.
+GROUP_BASE = 64
+
+#: Containers whose kernels apply per-group scales (int2 has only per-row kernels).
+_GROUPED_FORMATS = ("int8", "int4")
 
 
 def qmax_for_bits(bits: int) -> int:
@@ -118,6 +139,60 @@ def storage_format(bits: int, O: int, I: int) -> str:
     return infer_format(payload_nbytes(fmt, O, I), O, I)
 
 
+def _is_group_size(gs: int) -> bool:
+    return gs >= GROUP_BASE and gs % GROUP_BASE == 0 and ((gs // GROUP_BASE) & (gs // GROUP_BASE - 1)) == 0
+
+
+def check_group_size(gs, what: str = "group size") -> int:
+    """``gs`` as an int if it is 0 (per row) or 64·2^k, else ValueError naming ``what``."""
+    try:
+        g = int(gs)
+    except (TypeError, ValueError):
+        g = -1
+    if g != gs or not (g == 0 or _is_group_size(g)):
+        raise ValueError(f"{what} {gs!r}: use 0 (one scale per row) or 64, 128, 256, ... (64 times a power of 2)")
+    return g
+
+
+def n_groups(I: int, gs: int) -> int:
+    """Scales per row of length I: ceil(I / gs), or 1 for gs = 0 (per row)."""
+    return 1 if gs == 0 else -(-int(I) // int(gs))
+
+
+def scale_group_size(shape, fmt: str, O: int, I: int, name: str = "tensor") -> int:
+    """The group size of the scales ``NAME.qs`` of an [O, I] payload in container ``fmt``.
+
+    ``shape`` is the scales' shape (or their count, an int): O values (or [O, 1]) mean one scale
+    per row (returns 0); O·ceil(I/gs) values, flat or [O, G], mean groups of gs = 64·2^k inputs
+    (returns gs). A row of at most gs inputs is one group, so its O scales read as per-row. Any
+    other count or shape, or groups on a container without grouped kernels (int2), raises
+    :class:`ContainerError` naming the tensor. This is the one check of scale counts (engine
+    loading, load-time expert checks and ``plan`` call it).
+    """
+    shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+    count = 1
+    for d in shape:
+        count *= d
+    where = f"{name}.qs"
+    if len(shape) > 2 or (len(shape) == 2 and shape[0] != O):
+        raise ContainerError(f"{where}: scales of shape {list(shape)} for {O} rows "
+                             f"(expected [{O}] per row, or [{O}, G] / [{O}·G] for groups)")
+    if count == O:
+        return 0
+    if O > 0 and count % O == 0 and count > O:
+        G = count // O
+        gs = GROUP_BASE
+        while n_groups(I, gs) > G:
+            gs *= 2
+        if n_groups(I, gs) == G:
+            if fmt not in _GROUPED_FORMATS:
+                raise ContainerError(f"{where}: {G} scales per row (groups of {gs}) on an {fmt} payload; "
+                                     "group scales are supported for int4 and int8 only")
+            return gs
+    raise ContainerError(f"{where}: {count} scales for {O} rows (expected {O} per-row scales, or "
+                         f"{O}·ceil({I}/gs) for groups of gs = 64, 128, 256, ... inputs)")
+
+
 def _as_rows(w: np.ndarray) -> np.ndarray:
     w = np.asarray(w)
     if w.ndim != 2:
@@ -141,14 +216,48 @@ def row_scales(w: np.ndarray, bits: int) -> np.ndarray:
     return np.maximum(s, SCALE_FLOOR).astype(np.float32, copy=False)
 
 
+def _group_pad(w: np.ndarray, gs: int) -> np.ndarray:
+    """w [O, I] as [O, G, gs], the last group padded with zeros (which change no amax)."""
+    O, I = w.shape
+    G = n_groups(I, gs)
+    if G * gs != I:
+        w = np.concatenate([w, np.zeros((O, G * gs - I), np.float32)], axis=1)
+    return w.reshape(O, G, gs)
+
+
+def group_scales(w: np.ndarray, bits: int, gs: int) -> np.ndarray:
+    """Scales ``max(amax / qmax, 1e-8)`` of each group of gs inputs, float32 [O, ceil(I/gs)]
+    (gs = 0: the per-row scales as [O, 1])."""
+    w = _as_rows(w)
+    gs = check_group_size(gs)
+    if gs == 0:
+        return row_scales(w, bits).reshape(-1, 1)
+    O, I = w.shape
+    if I == 0:
+        raise ValueError("cannot quantize rows of length 0")
+    amax = np.max(np.abs(_group_pad(w, gs)), axis=2) if O else np.zeros((0, n_groups(I, gs)), np.float32)
+    if not np.all(np.isfinite(amax)):
+        raise ValueError("cannot quantize a matrix containing NaN or Inf")
+    s = amax / np.float32(qmax_for_bits(bits))
+    return np.maximum(s, SCALE_FLOOR).astype(np.float32, copy=False)
+
+
 def quantize_with_scales(w: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
-    """``clip(rint(w / s), -qmax-1, qmax)`` as int8 [O, I] with given row scales."""
+    """``clip(rint(w / s), -qmax-1, qmax)`` as int8 [O, I] with given scales: [O] per row, or
+    [O, G] per group (G = ceil(I/gs) for a gs of 64·2^k, inferred from G)."""
     w = _as_rows(w)
     qmax = qmax_for_bits(bits)
-    s = np.asarray(scales, dtype=np.float32).reshape(-1)
-    if s.shape[0] != w.shape[0]:
-        raise ValueError(f"{s.shape[0]} scales for {w.shape[0]} rows")
-    v = np.rint(w / s[:, None])
+    O, I = w.shape
+    s = np.asarray(scales, dtype=np.float32)
+    if s.ndim == 2 and s.shape[0] == O and s.shape[1] > 1:
+        gs = scale_group_size(s.shape, "int8", O, I, "scales")
+        per_elem = np.repeat(s, gs, axis=1)[:, :I]          # [O, I]: each input's group scale
+    else:
+        s = s.reshape(-1)
+        if s.shape[0] != O:
+            raise ValueError(f"{s.shape[0]} scales for {O} rows")
+        per_elem = s[:, None]
+    v = np.rint(w / per_elem)
     np.clip(v, -qmax - 1, qmax, out=v)
     return v.astype(np.int8)
 
@@ -156,6 +265,17 @@ def quantize_with_scales(w: np.ndarray, scales: np.ndarray, bits: int) -> np.nda
 def quantize_rows(w: np.ndarray, bits: int) -> Tuple[np.ndarray, np.ndarray]:
     """Quantize a float matrix [O, I]; returns (values int8 [O, I], scales f32 [O])."""
     s = row_scales(w, bits)
+    return quantize_with_scales(w, s, bits), s
+
+
+def quantize_groups(w: np.ndarray, bits: int, gs: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Quantize [O, I] with one scale per group of gs inputs of each row; returns (values int8
+    [O, I], scales f32 [O, ceil(I/gs)]). gs = 0 is :func:`quantize_rows` (scales [O]). The
+    values pack as usual (:func:`pack`): only the scales differ from per-row."""
+    gs = check_group_size(gs)
+    if gs == 0:
+        return quantize_rows(w, bits)
+    s = group_scales(w, bits, gs)
     return quantize_with_scales(w, s, bits), s
 
 
@@ -252,10 +372,12 @@ def unpack(payload: np.ndarray, fmt: str, O: int, I: int) -> np.ndarray:
 # whole-matrix helpers
 
 
-def quantize(w: np.ndarray, bits: int) -> Tuple[np.ndarray, np.ndarray, str]:
+def quantize(w: np.ndarray, bits: int, group_size: int = 0) -> Tuple[np.ndarray, np.ndarray, str]:
     """Quantize and pack a matrix [O, I] for the container.
 
-    Returns ``(payload uint8 1-D, scales f32 [O], fmt)``.  ``bits`` must be 2..8
+    Returns ``(payload uint8 1-D, scales f32, fmt)``: scales [O] per row (group_size 0), or
+    [O, ceil(I/gs)] for groups of ``group_size`` inputs (int8 / int4 containers; rows of at most
+    one group keep per-row scales [O], which is what their count means). ``bits`` must be 2..8
     (use float32 directly for >= 16).
     """
     w = _as_rows(w)
@@ -263,18 +385,25 @@ def quantize(w: np.ndarray, bits: int) -> Tuple[np.ndarray, np.ndarray, str]:
     fmt = storage_format(bits, O, I)
     if fmt == "f32":
         raise ValueError(f"bits={bits} keeps float32; nothing to quantize")
-    v, s = quantize_rows(w, bits)
+    gs = check_group_size(group_size)
+    if gs and fmt not in _GROUPED_FORMATS:
+        raise ValueError(f"group scales are supported for int4 and int8 only, not {fmt} (bits={bits})")
+    if n_groups(I, gs) == 1:
+        gs = 0
+    v, s = quantize_groups(w, bits, gs)
     return pack(v, fmt).reshape(-1), s, fmt
 
 
 def dequantize(payload: np.ndarray, scales: np.ndarray, O: int, I: int,
                name: str = "tensor", fmt: Optional[str] = None) -> np.ndarray:
-    """float32 [O, I] = v * s, with the container inferred from the payload size."""
+    """float32 [O, I] = v * s, with the container inferred from the payload size and the group
+    size from the scale count (:func:`scale_group_size`)."""
     p = np.asarray(payload, dtype=np.uint8).reshape(-1)
     if fmt is None:
         fmt = infer_format(p.size, O, I, name)
-    s = np.asarray(scales, dtype=np.float32).reshape(-1)
-    if s.shape[0] != O:
-        raise ContainerError(f"{name}: {s.shape[0]} row scales for {O} rows")
-    v = unpack(p, fmt, O, I)
-    return v.astype(np.float32) * s[:, None]
+    s = np.asarray(scales, dtype=np.float32)
+    gs = scale_group_size(s.shape, fmt, O, I, name)
+    v = unpack(p, fmt, O, I).astype(np.float32)
+    if gs == 0:
+        return v * s.reshape(O, 1)
+    return v * np.repeat(s.reshape(O, -1), gs, axis=1)[:, :I]

@@ -23,7 +23,7 @@ PIN_GB_DEFAULT = 10.0
 
 def expert_bytes_by_row(model) -> list:
     """RAM bytes of one cached expert for every cache row: the main layers (0 for dense ones) and
-    the MTP row (0 without an MTP head). Container experts keep their stored size (payloads + row
+    the MTP row (0 without an MTP head). Container experts keep their stored size (payloads + row or group
     scales); float checkpoint experts are held at the precision they are quantized to at load
     time (``expert_bits``; the MTP row at least int8)."""
     c = model.cfg
@@ -44,7 +44,7 @@ def expert_bytes_by_row(model) -> list:
 
 
 def expert_disk_bytes(model, layer: int, eid: int = 0) -> int:
-    """Bytes one expert of this layer occupies on disk (payloads and their row scales)."""
+    """Bytes one expert of this layer occupies on disk (payloads and their row or group scales)."""
     st, n = model.st, 0
     for m in ("gate_proj", "up_proj", "down_proj"):
         name = f"model.layers.{layer}.mlp.experts.{eid}.{m}.weight"

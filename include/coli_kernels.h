@@ -17,7 +17,8 @@
  *
  * Results: the integer dots are exact and identical on every ISA; coli_rowdot_*, coli_rowdot2_*,
  * coli_rowdot_*_rows and coli_quantize_q8 are bit-identical on every ISA (and the multi-activation
- * row dots to the equivalent single-row calls); the float dots agree up to rounding only.
+ * row dots to the equivalent single-row calls), and so are the group-scaled row dots coli_rowdotg_*
+ * (coli_group.h); the float dots agree up to rounding only.
  */
 #ifndef COLI_KERNELS_H
 #define COLI_KERNELS_H
@@ -28,6 +29,7 @@
 #include "coli_axpy.h"
 #include "coli_rows4.h"
 #include "coli_quant.h"
+#include "coli_group.h"
 
 enum { COLI_ISA_SCALAR = 0, COLI_ISA_AVX2 = 1, COLI_ISA_AVX512VNNI = 2 };
 
@@ -74,6 +76,25 @@ typedef struct coli_kernel_table {
                      float *out);
     void (*dots_q8f32)(const float *x, int n, const int8_t *w, long rb, int nrows, float *out);
     void (*dots_q4f32)(const float *x, int n, const uint8_t *w_packed, long rb, int nrows, float *out);
+    float (*rowdotg_i8)(const int8_t *w, const float *ws, int gs, const int8_t *q, const float *xs, int n,
+                        int block);
+    float (*rowdotg_i4)(const uint8_t *w_packed, const float *ws, int gs, const int8_t *q, const float *xs,
+                        int n, int block);
+    void (*rowdotg_i8_rows)(const int8_t *w, const float *ws, int gs, const int8_t *q, long qstride,
+                            const float *xs, long sstride, int R, int n, int block, float *out);
+    void (*rowdotg_i4_rows)(const uint8_t *w_packed, const float *ws, int gs, const int8_t *q, long qstride,
+                            const float *xs, long sstride, int R, int n, int block, float *out);
+    void (*rowdotg_i8_tile)(const int8_t *w, long rb, int nw, const float *ws, long wstride, int gs,
+                            const int8_t *q, long qstride, const uint8_t *xg, long gstride, const float *xs,
+                            long sstride, int P, int n, float *out);
+    void (*rowdotg_i4_tile)(const uint8_t *w_packed, long rb, int nw, const float *ws, long wstride, int gs,
+                            const int8_t *q, long qstride, const uint8_t *xg, long gstride, const float *xs,
+                            long sstride, int P, int n, float *out);
+    int (*split_q8)(const int8_t *q, int n, uint8_t *xg);
+    void (*dotsg_q8f32)(const float *x, int n, const int8_t *w, long rb, const float *ws, long wstride, int gs,
+                        int nrows, float *out);
+    void (*dotsg_q4f32)(const float *x, int n, const uint8_t *w_packed, long rb, const float *ws, long wstride,
+                        int gs, int nrows, float *out);
 } coli_kernel_table;
 
 #define COLI_KERNEL_TABLE(isa, sfx)                                                       \
@@ -85,7 +106,9 @@ typedef struct coli_kernel_table {
       coli_rowdot2s_i8_x4x2_##sfx, coli_axpy_f32_##sfx,                                      \
       coli_axpy_q8f32_##sfx, coli_axpy_q4f32_##sfx, coli_axpy_rows_f32_##sfx,                 \
       coli_axpy_rows_q8f32_##sfx, coli_axpy_rows_q4f32_##sfx, coli_dots_f32_##sfx,            \
-      coli_dots_q8f32_##sfx, coli_dots_q4f32_##sfx }
+      coli_dots_q8f32_##sfx, coli_dots_q4f32_##sfx, coli_rowdotg_i8_##sfx, coli_rowdotg_i4_##sfx, \
+      coli_rowdotg_i8_rows_##sfx, coli_rowdotg_i4_rows_##sfx, coli_rowdotg_i8_tile_##sfx,          \
+      coli_rowdotg_i4_tile_##sfx, coli_split_q8_##sfx, coli_dotsg_q8f32_##sfx, coli_dotsg_q4f32_##sfx }
 
 static const coli_kernel_table coli_kernels_by_isa[] = {
     COLI_KERNEL_TABLE(COLI_ISA_SCALAR, scalar),
@@ -329,6 +352,85 @@ static inline float coli_dot_q8f32(const int8_t *w, const float *x, int n)
 static inline float coli_dot_q4f32(const uint8_t *w_packed, const float *x, int n)
 {
     return coli_kt.dot_q4f32(w_packed, x, n);
+}
+
+/* Group-scaled weight rows (coli_group.h): ws[g] scales inputs g*gs .. (g+1)*gs-1 of the row (gs a
+ * multiple of 64, the last group partial), against Q8 activations q with block scales xs. One
+ * activation block: the lane form, xs[0] * R16(A) with A[l] = fma(ws[g], (float)D[g][l], A[l])
+ * over the groups (D: the exact integer dot of the group's inputs in lane l = (i mod 64) / 4);
+ * several blocks: the segment form, sum over blocks b of xs[b] * (sum over the block's pieces k,
+ * cut at the group boundaries, of ws[g(k)] * (float)dot_k). Bit-identical on every ISA. */
+static inline float coli_rowdotg_i8(const int8_t *w, const float *ws, int gs, const int8_t *q, const float *xs,
+                                    int n, int block)
+{
+    return coli_kt.rowdotg_i8(w, ws, gs, q, xs, n, block);
+}
+
+static inline float coli_rowdotg_i4(const uint8_t *w_packed, const float *ws, int gs, const int8_t *q,
+                                    const float *xs, int n, int block)
+{
+    return coli_kt.rowdotg_i4(w_packed, ws, gs, q, xs, n, block);
+}
+
+/* R activation rows (q + r*qstride, xs + r*sstride) against one group-scaled weight row in one
+ * pass: out[r] = coli_rowdotg_*(w, ws, gs, q + r*qstride, xs + r*sstride, n, block), bit-identical */
+static inline void coli_rowdotg_i8_rows(const int8_t *w, const float *ws, int gs, const int8_t *q, long qstride,
+                                        const float *xs, long sstride, int R, int n, int block, float *out)
+{
+    coli_kt.rowdotg_i8_rows(w, ws, gs, q, qstride, xs, sstride, R, n, block, out);
+}
+
+static inline void coli_rowdotg_i4_rows(const uint8_t *w_packed, const float *ws, int gs, const int8_t *q,
+                                        long qstride, const float *xs, long sstride, int R, int n, int block,
+                                        float *out)
+{
+    coli_kt.rowdotg_i4_rows(w_packed, ws, gs, q, qstride, xs, sstride, R, n, block, out);
+}
+
+/* Lane form for a tile of nw (1..4) weight rows (w + r*rb, scales ws + r*wstride) and P activation
+ * rows (q + p*qstride, one scale xs[p*sstride] each): out[p*nw + r] = coli_rowdotg_*(w + r*rb,
+ * ws + r*wstride, gs, q + p*qstride, xs + p*sstride, n, n), bit-identical; the decode matmuls'
+ * unit of work for group-scaled matrices. xg (int4; NULL = none): the activation rows' split
+ * forms, row p at xg + p*gstride, as coli_split_q8 wrote them (when it returned 1). */
+static inline void coli_rowdotg_i8_tile(const int8_t *w, long rb, int nw, const float *ws, long wstride, int gs,
+                                        const int8_t *q, long qstride, const uint8_t *xg, long gstride,
+                                        const float *xs, long sstride, int P, int n, float *out)
+{
+    coli_kt.rowdotg_i8_tile(w, rb, nw, ws, wstride, gs, q, qstride, xg, gstride, xs, sstride, P, n, out);
+}
+
+static inline void coli_rowdotg_i4_tile(const uint8_t *w_packed, long rb, int nw, const float *ws, long wstride,
+                                        int gs, const int8_t *q, long qstride, const uint8_t *xg, long gstride,
+                                        const float *xs, long sstride, int P, int n, float *out)
+{
+    coli_kt.rowdotg_i4_tile(w_packed, rb, nw, ws, wstride, gs, q, qstride, xg, gstride, xs, sstride, P, n, out);
+}
+
+/* The split form of one Q8 activation row (coli_split_len(n) bytes at xg) for the active ISA's int4
+ * tile; returns 0 (nothing written) when the tile reads the activations as they are. */
+static inline int coli_split_q8(const int8_t *q, int n, uint8_t *xg)
+{
+    return coli_kt.split_q8(q, n, xg);
+}
+
+/* whether the active ISA's int4 tile reads split activations (coli_split_q8 writes them) */
+static inline int coli_split_active(void)
+{
+    return coli_kt.split_q8(NULL, 0, NULL);
+}
+
+/* float path of group-scaled rows: out[r] = sum_g coli_dot_*f32(group g of row r, x) * ws[r*wstride + g]
+ * (coli_group.h; equal across ISAs up to rounding, as the float dots) */
+static inline void coli_dotsg_q8f32(const float *x, int n, const int8_t *w, long rb, const float *ws, long wstride,
+                                    int gs, int nrows, float *out)
+{
+    coli_kt.dotsg_q8f32(x, n, w, rb, ws, wstride, gs, nrows, out);
+}
+
+static inline void coli_dotsg_q4f32(const float *x, int n, const uint8_t *w_packed, long rb, const float *ws,
+                                    long wstride, int gs, int nrows, float *out)
+{
+    coli_kt.dotsg_q4f32(x, n, w_packed, rb, ws, wstride, gs, nrows, out);
 }
 
 /* per-block int8 quantization; q gets n values, xs gets one scale per block */

@@ -10,7 +10,11 @@
  *   - float dots must be within REL_TOL * sum|a_i*b_i| of a double reference;
  *   - the multi-activation row dots (coli_rowdot2_*, coli_rowdot_*_rows, R = 1..8, strides larger
  *     than n) must be bit-identical to the equivalent single-row calls, on the active ISA and on
- *     the scalar one, and must not write past out[R-1].
+ *     the scalar one, and must not write past out[R-1];
+ *   - the group-scaled row dots (coli_rowdotg_*, groups of 64/128/256 with a partial last group,
+ *     any activation block) must be bit-identical to the scalar variant, close to a double
+ *     reference of their definition, and their multi-row form (R = 1..8) and their tile form
+ *     (1..4 weight rows x 1..5 activation rows) to the one-row calls.
  * Every input buffer ends right before a PROT_NONE page, so a read past the end crashes (for the
  * strided rows: the last row's activations and scales end at the page).
  * Exit status 0 on success.
@@ -384,6 +388,165 @@ static void check_multi(int isa, bufs *b, int mode, int rmask)
     }
 }
 
+/* Group-scaled row dots: weight-group scales ws (one per gs inputs, guard-ended) against the bufs'
+ * activations with several activation blocks; the rows form against strided activation rows. */
+static void check_grouped(int isa, bufs *b, int mode)
+{
+    int n = b->n;
+    const int sizes[] = {64, 128, 256};
+    const int blocks[] = {0, 64, 128, 192, 256, 384};
+    for (size_t gi = 0; gi < sizeof sizes / sizeof sizes[0]; gi++) {
+        int gs = sizes[gi], G = (n + gs - 1) / gs;
+        float *ws = galloc(sizeof(float) * (size_t)G);
+        for (int g = 0; g < G; g++)
+            ws[g] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
+        for (size_t k = 0; k < sizeof blocks / sizeof blocks[0]; k++) {
+            int blk = blocks[k], bl = coli_block_len(n, blk), nbk = (n + bl - 1) / bl;
+            if (n > 65536 && bl >= n)
+                continue; /* int8 exactness limit per block */
+            float g8 = coli_rowdotg_i8(b->w8, ws, gs, b->x8, b->xs, n, blk);
+            float s8 = coli_rowdotg_i8_scalar(b->w8, ws, gs, b->x8, b->xs, n, blk);
+            float g4 = coli_rowdotg_i4(b->w4, ws, gs, b->x8, b->xs, n, blk);
+            float s4 = coli_rowdotg_i4_scalar(b->w4, ws, gs, b->x8, b->xs, n, blk);
+            CHECK(same_bits(g8, s8), "rowdotg_i8 isa=%d n=%d gs=%d block=%d got %.9g scalar %.9g", isa, n, gs,
+                  blk, g8, s8);
+            CHECK(same_bits(g4, s4), "rowdotg_i4 isa=%d n=%d gs=%d block=%d got %.9g scalar %.9g", isa, n, gs,
+                  blk, g4, s4);
+            /* the definition in double: sum over blocks and their group pieces */
+            fref f8 = {0, 0}, f4 = {0, 0};
+            for (int i = 0; i < n; i++) {
+                int bi = i / bl, g = i / gs;
+                double d8 = (double)b->xs[bi] * ws[g] * b->w8[i] * b->x8[i];
+                double d4 = (double)b->xs[bi] * ws[g] * (nib(b->w4, i) - 8) * b->x8[i];
+                f8.val += d8; f8.mag += fabs(d8);
+                f4.val += d4; f4.mag += fabs(d4);
+            }
+            CHECK(close_to(s8, f8, 1e-5), "rowdotg_i8 scalar n=%d gs=%d block=%d got %.9g want %.9g", n, gs, blk,
+                  s8, f8.val);
+            if (k == 0) { /* the float path: group dots times their scales */
+                fref d8 = {0, 0}, d4 = {0, 0};
+                for (int i = 0; i < n; i++) {
+                    double a8 = (double)ws[i / gs] * b->w8[i] * b->xf[i], a4 = (double)ws[i / gs] * (nib(b->w4, i) - 8) * b->xf[i];
+                    d8.val += a8; d8.mag += fabs(a8);
+                    d4.val += a4; d4.mag += fabs(a4);
+                }
+                float o8, o4;
+                coli_dotsg_q8f32(b->xf, n, b->w8, 0, ws, 0, gs, 1, &o8);
+                coli_dotsg_q4f32(b->xf, n, b->w4, 0, ws, 0, gs, 1, &o4);
+                CHECK(close_to(o8, d8, REL_TOL), "dotsg_q8f32 isa=%d n=%d gs=%d got %.9g want %.9g", isa, n, gs, o8, d8.val);
+                CHECK(close_to(o4, d4, REL_TOL), "dotsg_q4f32 isa=%d n=%d gs=%d got %.9g want %.9g", isa, n, gs, o4, d4.val);
+            }
+            CHECK(close_to(s4, f4, 1e-5), "rowdotg_i4 scalar n=%d gs=%d block=%d got %.9g want %.9g", n, gs, blk,
+                  s4, f4.val);
+            /* rows: R strided activation rows, the last one ending at the guard page */
+            long qstride = n + 13, sstride = nbk + 3;
+            size_t qlen = (size_t)(MR - 1) * qstride + n, slen = (size_t)(MR - 1) * sstride + nbk;
+            int8_t *qbuf = galloc(qlen);
+            float *sbuf = galloc(sizeof(float) * slen);
+            float out[MR + 1];
+            fill_q(qbuf, qlen, mode);
+            for (size_t i = 0; i < slen; i++)
+                sbuf[i] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
+            for (int R = 1; R <= MR; R++) {
+                const int8_t *q = qbuf + qlen - ((size_t)(R - 1) * qstride + n);
+                const float *xs = sbuf + slen - ((size_t)(R - 1) * sstride + nbk);
+                if (R == 6 || R == 7)
+                    continue; /* 1..5 and 8 cover one to two groups of four rows */
+                for (int t = 0; t < 2; t++) {
+                    for (int r = 0; r <= MR; r++)
+                        out[r] = -12345.0f;
+                    if (t == 0)
+                        coli_rowdotg_i8_rows(b->w8, ws, gs, q, qstride, xs, sstride, R, n, blk, out);
+                    else
+                        coli_rowdotg_i4_rows(b->w4, ws, gs, q, qstride, xs, sstride, R, n, blk, out);
+                    for (int r = 0; r < R; r++) {
+                        const int8_t *qr = q + (size_t)r * qstride;
+                        const float *sr = xs + (size_t)r * sstride;
+                        float want = t ? coli_rowdotg_i4_scalar(b->w4, ws, gs, qr, sr, n, blk)
+                                       : coli_rowdotg_i8_scalar(b->w8, ws, gs, qr, sr, n, blk);
+                        CHECK(same_bits(out[r], want), "rowdotg_%s_rows isa=%d n=%d gs=%d block=%d R=%d r=%d "
+                              "got %.9g want %.9g", t ? "i4" : "i8", isa, n, gs, blk, R, r, out[r], want);
+                    }
+                    CHECK(out[R] == -12345.0f, "rowdotg_%s_rows wrote out[%d] isa=%d n=%d", t ? "i4" : "i8", R,
+                          isa, n);
+                }
+            }
+            gfree(sbuf, sizeof(float) * slen);
+            gfree(qbuf, qlen);
+        }
+        gfree(ws, sizeof(float) * (size_t)G);
+    }
+}
+
+/* The lane-form tile: nw = 1..4 weight rows (rows rb apart, the last ending at a guard page) and
+ * P = 1..5 activation rows, each output bit-identical to the scalar one-row call. */
+static void check_tile(int isa, int n, int mode)
+{
+    const int sizes[] = {64, 128};
+    for (size_t gi = 0; gi < sizeof sizes / sizeof sizes[0]; gi++) {
+        int gs = sizes[gi], G = (n + gs - 1) / gs;
+        long rb8 = n + 5, rb4 = (n + 1) / 2 + 3, wstride = G + 2, qstride = n + 7, sstride = 3;
+        size_t len8 = 3 * rb8 + n, len4 = 3 * rb4 + (n + 1) / 2, wlen = 3 * wstride + G;
+        size_t qlen = 4 * qstride + n, slen = 4 * sstride + 1;
+        int8_t *w8 = galloc(len8), *q = galloc(qlen);
+        uint8_t *w4 = galloc(len4);
+        float *ws = galloc(sizeof(float) * wlen), *xs = galloc(sizeof(float) * slen), out[4 * 5 + 1];
+        fill_q(w8, len8, mode);
+        fill_q(q, qlen, mode);
+        for (size_t i = 0; i < len4; i++)
+            w4[i] = mode == FILL_EXTREME_POS ? 0x00 : (uint8_t)(rnd() & 0xFF);
+        for (size_t i = 0; i < wlen; i++)
+            ws[i] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
+        for (size_t i = 0; i < slen; i++)
+            xs[i] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
+        /* the activation rows' split forms (the reference splitter), rows gstride bytes apart */
+        long gstride = coli_split_len(n) + 64;
+        uint8_t *xg = galloc((size_t)(4 * gstride + coli_split_len(n)));
+        for (int p = 0; p < 5; p++)
+            coli_split_q8_ref(q + p * qstride, n, xg + p * gstride);
+        for (int nw = 1; nw <= 4; nw++)
+            for (int P = 1; P <= 5; P++)
+                for (int t = 0; t < 3; t++) { /* int8, int4, int4 with the split activations */
+                    /* the tile placed so that its last weight row ends at the guard page */
+                    const int8_t *a8 = w8 + (3 - (nw - 1)) * rb8;
+                    const uint8_t *a4 = w4 + (3 - (nw - 1)) * rb4;
+                    const float *aws = ws + (3 - (nw - 1)) * wstride;
+                    const int8_t *aq = q + (4 - (P - 1)) * qstride;
+                    const float *axs = xs + (4 - (P - 1)) * sstride;
+                    for (int k = 0; k <= 4 * 5; k++)
+                        out[k] = -12345.0f;
+                    const uint8_t *axg = xg + (4 - (P - 1)) * gstride;
+                    if (t == 0)
+                        coli_rowdotg_i8_tile(a8, rb8, nw, aws, wstride, gs, aq, qstride, NULL, 0, axs, sstride, P, n,
+                                             out);
+                    else
+                        coli_rowdotg_i4_tile(a4, rb4, nw, aws, wstride, gs, aq, qstride, t == 2 ? axg : NULL, gstride,
+                                             axs, sstride, P, n, out);
+                    for (int p = 0; p < P; p++)
+                        for (int r = 0; r < nw; r++) {
+                            float want = t ? coli_rowdotg_i4_scalar(a4 + r * rb4, aws + r * wstride, gs,
+                                                                    aq + p * qstride, axs + p * sstride, n, n)
+                                           : coli_rowdotg_i8_scalar(a8 + r * rb8, aws + r * wstride, gs,
+                                                                    aq + p * qstride, axs + p * sstride, n, n);
+                            CHECK(same_bits(out[p * nw + r], want), "rowdotg_%s_tile isa=%d n=%d gs=%d nw=%d P=%d "
+                                  "r=%d p=%d got %.9g want %.9g", t == 2 ? "i4 split" : t ? "i4" : "i8", isa, n, gs,
+                                  nw, P, r, p, out[p * nw + r], want);
+                        }
+                    CHECK(out[P * nw] == -12345.0f, "rowdotg_tile wrote past out isa=%d n=%d", isa, n);
+                }
+        /* the dispatched splitter writes the reference's bytes, or nothing */
+        if (coli_split_q8(q, n, xg + 4 * gstride)) {
+            uint8_t *want = malloc((size_t)coli_split_len(n));
+            coli_split_q8_ref(q, n, want);
+            CHECK(memcmp(want, xg + 4 * gstride, (size_t)coli_split_len(n)) == 0, "split_q8 isa=%d n=%d", isa, n);
+            free(want);
+        }
+        gfree(xg, (size_t)(4 * gstride + coli_split_len(n)));
+        gfree(w8, len8); gfree(q, qlen); gfree(w4, len4);
+        gfree(ws, sizeof(float) * wlen); gfree(xs, sizeof(float) * slen);
+    }
+}
+
 #define ALL_R 0x1FE /* R = 1..8 */
 
 static void run_size(int isa, int n, int modes)
@@ -395,6 +558,12 @@ static void run_size(int isa, int n, int modes)
         fill(&b, mode);
         check_all(isa, &b);
         check_multi(isa, &b, mode, rmask);
+        /* a subset of sizes and fills: whole and partial groups and blocks, short rows, long rows */
+        if (mode <= FILL_EXTREME_POS && (n % 64 == 0 || n % 64 == 36 || n % 64 == 1 || n < 8 || n > 300)) {
+            check_grouped(isa, &b, mode);
+            if (n <= 16385)
+                check_tile(isa, n, mode);
+        }
     }
     bfree(&b);
 }
@@ -502,7 +671,7 @@ int main(int argc, char **argv)
     CHECK(coli_select_isa(-5) == COLI_ISA_SCALAR, "select clamps low");
 
     const int big[] = {383, 384, 385, 511, 512, 513, 1000, 1023, 1024, 1025, 4095, 4096, 4097,
-                       16383, 16384, 16385, 65536};
+                       6144, 6180, 16383, 16384, 16385, 65536};
     for (int isa = 0; isa <= best; isa++) {
         long before = g_fail, checks0 = g_checks;
         CHECK(coli_select_isa(isa) == isa && coli_isa_active() == isa, "select %d", isa);
@@ -512,7 +681,7 @@ int main(int argc, char **argv)
             run_size(isa, big[k], big[k] == 65536 ? 3 : 5);
         run_i4_limit(isa);
         printf("%-11s %s  (%ld checks; n = 1..300 + %d larger sizes up to 65536, int4 also 2^20;\n"
-               "                  rowdot2 and rows with R = 1..8 included)\n",
+               "                  rowdot2, rows with R = 1..8 and group-scaled rows included)\n",
                coli_isa_name(isa), g_fail == before ? "ok  " : "FAIL", g_checks - checks0,
                (int)(sizeof big / sizeof big[0]));
         printf("            float dots, worst |err|/sum|ab|: f32 %.2e  q8f32 %.2e  q4f32 %.2e\n",
