@@ -1014,6 +1014,11 @@ def rope_inv_freq(int dr, float theta):
 ISA_NAMES = {"scalar": 0, "avx2": 1, "avx512vnni": 2}
 
 
+def split_len(int n):
+    """Bytes of one activation row of width n in the split form of group-scaled int4 matmuls."""
+    return coli_split_len(n)
+
+
 def isa_best():
     return coli_isa_name(coli_isa_best()).decode()
 
