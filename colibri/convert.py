@@ -55,7 +55,7 @@ import numpy as np
 from . import quant
 from .config import parse_config, read_config_json, text_config
 from .st import DTYPE_SIZES, INDEX_NAME, ContainerError, SafeTensorsDir, TensorInfo, decode_f32, scan_file
-from .usage import fsync_dir, unlink_quietly
+from .usage import fsync_dir, unlink_quietly, write_bytes_atomic
 
 __all__ = [
     "DEFAULT_BITS",
@@ -663,17 +663,7 @@ def save_file_atomic(tensors: Dict[str, np.ndarray], path: str, tmp_path: Option
 
 def _write_bytes_atomic(data: bytes, path: str) -> None:
     d, base = os.path.split(path)
-    tmp = os.path.join(d, f".{base}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        unlink_quietly(tmp)
-        raise
-    fsync_dir(d or ".")
+    write_bytes_atomic(path, data, os.path.join(d, f".{base}.tmp"))
 
 
 def _existing_output_ok(path: str, items: List[PlanItem]) -> Tuple[bool, str]:

@@ -82,20 +82,26 @@ def format_counts(counts) -> str:
 
 
 def save_counts(path, counts) -> None:
-    """Write counts atomically: ``path.tmp`` in the same folder, fsync, then ``os.replace``."""
+    """Write counts atomically (write_bytes_atomic)."""
+    write_bytes_atomic(path, format_counts(counts).encode("utf-8"))
+
+
+def write_bytes_atomic(path, data: bytes, tmp=None) -> None:
+    """Write data to path atomically: to a temporary file in the same folder (tmp, default
+    ``path.tmp``), fsync it, rename it over path and fsync the folder, so the rename itself is
+    durable; the temporary file is removed if anything fails."""
     path = os.fspath(path)
-    text = format_counts(counts)
-    tmp = path + ".tmp"
+    tmp = path + ".tmp" if tmp is None else os.fspath(tmp)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
+        with open(tmp, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         unlink_quietly(tmp)
         raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))     # make the rename itself durable
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def unlink_quietly(path) -> None:

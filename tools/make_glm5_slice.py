@@ -66,9 +66,9 @@ from colibri import quant
 from colibri.config import parse_config
 from colibri.convert import (DEFAULT_BITS, MANIFEST_NAME, MANIFEST_VERSION, ConvertOptions, _bits_arg,
                              _existing_output_ok, _manifest_bytes, _progress,
-                             _write_bytes_atomic, classify, expected_shape, output_name)
+                             classify, expected_shape, output_name)
 from colibri.st import ContainerError
-from colibri.usage import fsync_dir
+from colibri.usage import fsync_dir, write_bytes_atomic
 
 PROG = "make_glm5_slice.py"
 
@@ -638,13 +638,13 @@ def make_slice(dst: str, *, dense_layers: int = 1, moe_layers: int = 3, mtp: boo
         if n.startswith(".out-") and n.endswith(".safetensors.tmp"):
             os.remove(os.path.join(dst, n))
 
-    _write_bytes_atomic(_manifest_bytes(manifest), os.path.join(dst, MANIFEST_NAME))
-    _write_bytes_atomic((json.dumps(cfg, indent=2) + "\n").encode(), os.path.join(dst, "config.json"))
+    write_bytes_atomic(os.path.join(dst, MANIFEST_NAME), _manifest_bytes(manifest))
+    write_bytes_atomic(os.path.join(dst, "config.json"), (json.dumps(cfg, indent=2) + "\n").encode())
     gen = {"bos_token_id": eos, "eos_token_id": [eos], "pad_token_id": eos, "do_sample": True,
            "temperature": 1.0, "top_p": 0.95}
-    _write_bytes_atomic((json.dumps(gen, indent=2) + "\n").encode(), os.path.join(dst, "generation_config.json"))
-    _write_bytes_atomic(tok_json, os.path.join(dst, "tokenizer.json"))
-    _write_bytes_atomic(tok_cfg, os.path.join(dst, "tokenizer_config.json"))
+    write_bytes_atomic(os.path.join(dst, "generation_config.json"), (json.dumps(gen, indent=2) + "\n").encode())
+    write_bytes_atomic(os.path.join(dst, "tokenizer.json"), tok_json)
+    write_bytes_atomic(os.path.join(dst, "tokenizer_config.json"), tok_cfg)
 
     t_write = time.perf_counter()
     bar = _progress(total=need, desc="slice", unit="B", unit_scale=True, unit_divisor=1000)
@@ -658,7 +658,7 @@ def make_slice(dst: str, *, dense_layers: int = 1, moe_layers: int = 3, mtp: boo
     t_write = time.perf_counter() - t_write
 
     manifest = build_manifest(cfg, opts, files, classes, params, complete=True)
-    _write_bytes_atomic(_manifest_bytes(manifest), os.path.join(dst, MANIFEST_NAME))
+    write_bytes_atomic(os.path.join(dst, MANIFEST_NAME), _manifest_bytes(manifest))
     return {
         "dst": os.path.abspath(dst),
         "files": [fp.name for fp in files],
