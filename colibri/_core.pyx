@@ -23,6 +23,7 @@ import threading
 
 from .cache import ExpertCache
 from .config import Config, indexer_missing, load_config
+from .lookahead import PrefetchPolicy, parse_prefetch
 from . import st as _st
 from . import quant as _quant
 
@@ -1378,6 +1379,8 @@ cdef class Model:
     # Routed experts (colibri/cache.py)
     cdef public object cache                      # ExpertCache: pinned hot-store + per-layer LRU + prefetch
     cdef public bint pilot                        # router-lookahead prefetch of layer L+1's experts
+    cdef public bint lookahead_on                 # ... in this iteration (the PrefetchPolicy's choice)
+    cdef public object lookahead                  # PrefetchPolicy: prefetch only while it pays
     cdef public bint direct                       # O_DIRECT reads of expert payloads
     cdef object _direct_fds, _io, _slabs
     cdef object _gsplit                           # split activation rows for group-scaled int4 (see _split_scratch)
@@ -2221,7 +2224,7 @@ cdef class Model:
         with nogil:
             for s in range(S):
                 rmsnorm_row(&n[s, 0], &x[s, 0], &w2[0], D, eps)
-        if self.pilot and S <= PILOT_MAX_ROWS and L.index + 1 < self.cfg.n_layers \
+        if self.pilot and self.lookahead_on and S <= PILOT_MAX_ROWS and L.index + 1 < self.cfg.n_layers \
                 and self.layers[L.index + 1].sparse:
             self.pilot_prefetch(self.layers[L.index + 1], x, S, ws)
         if L.sparse:
@@ -2482,6 +2485,7 @@ cdef class Model:
                 break                     # the last token is not forwarded (spec §11.20)
             t0 = time.perf_counter()
             t_catch = 0.0
+            self.lookahead_on = self.lookahead.enabled()
             d = policy.depth()
             drafts = []
             if d > 0 and self.has_mtp:
@@ -2532,6 +2536,8 @@ cdef class Model:
             kv += 1 + k
             logits = lo[k]
             policy.record(d, proposed, k, time.perf_counter() - t0 - t_catch)
+            if self.pilot:
+                self.lookahead.record(time.perf_counter() - t0, 1 + k)
             self.decode_forwards += 1
             if done:
                 break
@@ -2800,7 +2806,7 @@ def _init_dsa(Model m, cfg, bint dsa, bint dsa_force):
 
 def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=32, int idot=IDOT_Q8X2,
                int act_block=0, int absorb=-1, bint dsa_force=False, bint dsa=True, bint mtp=True,
-               isa=None, threads=0, int io_threads=4, bint prefetch=True, bint direct=False):
+               isa=None, threads=0, int io_threads=4, prefetch=True, bint direct=False):
     """Load a model directory (our container or a plain HF checkpoint).
 
     cache_experts: routed experts kept per layer in the LRU cache (0 = all of them).
@@ -2813,10 +2819,15 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     absorb: -1 auto (absorbed attention for batches of <= 17 rows, decode and verify, and for longer
         ones past ABSORB_KV_BYTES of kv_b rows or when the DSA selection runs), 0 never, 1 always.
     io_threads: readers that load the missing experts of one MoE call concurrently.
-    prefetch: router-lookahead prefetch of the next layer's experts (only when experts stream).
+    prefetch: router-lookahead prefetch of the next layer's experts (only when experts stream):
+        True / 'auto' = while it pays in wall time (colibri.lookahead; COLIBRI_PREFETCH=on|off|auto
+        overrides for A/B runs), 'on' always, False / 'off' never.
     direct: read expert payloads with O_DIRECT (bypassing the OS page cache).
     """
     path = os.fspath(path)
+    mode = parse_prefetch(prefetch)
+    if mode == "auto" and os.environ.get("COLIBRI_PREFETCH"):
+        mode = parse_prefetch(os.environ["COLIBRI_PREFETCH"])
     if io_threads < 1:
         raise ValueError(f"io_threads must be >= 1, got {io_threads}")
     cfg = load_config(path)
@@ -2874,8 +2885,10 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m._io = _IoClock()
     # Rows of the cache: every layer index (dense ones stay empty) plus the MTP row.
     m.cache = ExpertCache(m.expert_load, cfg.n_layers + 1, m.cache_experts, io_threads=io_threads,
-                          prefetch=prefetch, n_experts=cfg.n_experts)
-    m.pilot = bool(prefetch) and m.cache_experts < cfg.n_experts
+                          prefetch=mode != "off", n_experts=cfg.n_experts)
+    m.pilot = mode != "off" and m.cache_experts < cfg.n_experts
+    m.lookahead = PrefetchPolicy(mode)
+    m.lookahead_on = True
     m.cache.overshoot = cfg.topk            # within the RAM plan's per-call allowance
     m._slabs = _SlabPool(2 * cfg.topk)
     m.cache.on_evict = m._slabs.recycle

@@ -140,6 +140,7 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
         "tokens_per_forward": (n_dec / model.decode_forwards) if model.decode_forwards else float(n_dec),
     }
     stats.update(policy.stats())
+    stats.update(model.lookahead.stats())
     stats.update(dsa_indexer=not model.indexer_absent, dsa_dense_past_topk=bool(model.dense_past_topk),
                  notes=[note] if note and model.dense_past_topk else [])
     stats.update(tier_stats(model, tiers, t_prefill + t_decode))
