@@ -1382,7 +1382,7 @@ cdef class Model:
     cdef public bint lookahead_on                 # ... in this iteration (the PrefetchPolicy's choice)
     cdef public object lookahead                  # PrefetchPolicy: prefetch only while it pays
     cdef public bint direct                       # O_DIRECT reads of expert payloads
-    cdef object _direct_fds, _io, _slabs
+    cdef object _direct_fds, _io, _slabs, _expert_layouts
     cdef object _gsplit                           # split activation rows for group-scaled int4 (see _split_scratch)
     cdef public bint grouped4                     # a group-scaled int4 matrix has been loaded (resident or expert)
     # Counters
@@ -1529,37 +1529,19 @@ cdef class Model:
         E = Expert()
         E.eid = eid
         if names[0] + ".qs" in st:
-            infos = [st.info(n) for n in names]
-            order = sorted(range(3), key=lambda k: infos[k].offset)
-            total = sum(inf.nbytes for inf in infos)
-            slab = self._slabs.take(total)
-            contiguous = all(infos[order[k]].file_index == infos[order[0]].file_index and
-                             infos[order[k]].offset == infos[order[k - 1]].offset + infos[order[k - 1]].nbytes
-                             for k in range(1, 3))
-            starts = [0, 0, 0]
-            if contiguous and self.direct:
-                slab = self._pread_direct(infos[order[0]], total, infos[order[0]].offset)
-                for k in order:
-                    starts[k] = infos[k].offset - infos[order[0]].offset
-            elif contiguous:
-                self._pread(infos[order[0]], slab, infos[order[0]].offset)
-                for k in order:
-                    starts[k] = infos[k].offset - infos[order[0]].offset
-            else:
-                at = 0
-                for k in order:
-                    self._pread(infos[k], slab[at:at + infos[k].nbytes], infos[k].offset)
-                    starts[k] = at
-                    at += infos[k].nbytes
+            lay = self._expert_layouts.get((li, eid))
+            if lay is None:
+                lay = self._expert_layouts[(li, eid)] = _ExpertLayout(st, names)
+            slab, base = self._read_payloads(lay)
+            scales = self._read_scales(lay)
             qts = []
             for k in range(3):
-                scale = st.read_f32(names[k] + ".qs")
-                self.bytes_read += scale.nbytes
-                qts.append(QT.from_packed(slab[starts[k]:starts[k] + infos[k].nbytes], scale,
+                a = base + lay.starts[k]
+                qts.append(QT.from_packed(slab[a:a + lay.payloads[k].nbytes], scales[k],
                                           shapes[k][0], shapes[k][1], names[k]))
                 self._note_groups(qts[k])
             E.slab = slab
-            E.nbytes = total
+            E.nbytes = lay.total
         else:
             qts = []
             E.nbytes = 0
@@ -1573,9 +1555,40 @@ cdef class Model:
         E.gate, E.up, E.down = qts
         return E
 
+    def _read_payloads(self, lay):
+        """An expert's three payloads into one buffer of the slab pool: (buffer, where the first
+        payload in file order starts in it); lay.starts place the others. One pread when they
+        are contiguous (the container's layout), O_DIRECT when --direct."""
+        cdef Py_ssize_t at
+        if lay.contiguous and self.direct:
+            return self._pread_direct(lay.payloads[lay.order[0]], lay.total, lay.payloads[lay.order[0]].offset)
+        slab = self._slabs.take(lay.total)
+        if lay.contiguous:
+            self._pread(lay.payloads[lay.order[0]], slab, lay.payloads[lay.order[0]].offset)
+            return slab, 0
+        at = 0
+        for k in lay.order:
+            self._pread(lay.payloads[k], slab[at:at + lay.payloads[k].nbytes], lay.payloads[k].offset)
+            at += lay.payloads[k].nbytes
+        return slab, 0
+
+    def _read_scales(self, lay):
+        """The three F32 scale vectors: one pread of their common range when they are adjacent
+        in one file (they are in the container: down, gate, up in name order), else one each."""
+        st = self.st
+        if lay.scale_span is None:
+            out = [st.read_f32(i.name) for i in lay.scales]
+            self.bytes_read += sum(i.nbytes for i in lay.scales)
+            return out
+        first, nbytes = lay.scale_span
+        raw = np.empty(nbytes // 4, np.float32)
+        self._pread(first, raw.view(np.uint8), first.offset)
+        return [raw[(i.offset - first.offset) // 4:(i.offset - first.offset + i.nbytes) // 4] for i in lay.scales]
+
     def _pread_direct(self, info, Py_ssize_t nbytes, long long offset):
         """nbytes at offset with O_DIRECT (no page cache): the aligned superset is read into an
-        aligned buffer and the wanted bytes are returned as a view of it."""
+        aligned buffer taken from the slab pool (sized to a whole number of blocks plus one, so
+        experts of one size share buffers); returns (buffer, where the wanted bytes start)."""
         fd = self._direct_fds.get(info.file_index)
         if fd is None:
             try:
@@ -1586,7 +1599,7 @@ cdef class Model:
             self._direct_fds[info.file_index] = fd
         cdef long long a0 = offset & ~(DIRECT_ALIGN - 1)
         cdef long long a1 = (offset + nbytes + DIRECT_ALIGN - 1) & ~(DIRECT_ALIGN - 1)
-        raw = np.empty(a1 - a0 + DIRECT_ALIGN, np.uint8)
+        raw = self._slabs.take(((nbytes + DIRECT_ALIGN - 1) // DIRECT_ALIGN + 2) * DIRECT_ALIGN)
         shift = (-raw.ctypes.data) % DIRECT_ALIGN
         buf = raw[shift:shift + (a1 - a0)]
         try:
@@ -1598,7 +1611,7 @@ cdef class Model:
             raise _st.ContainerError(f"{info.path}: short read of {info.name} ({n} of {a1 - a0} bytes); "
                                      "the file was truncated or changed while running")
         self.bytes_read += nbytes
-        return buf[offset - a0:offset - a0 + nbytes]
+        return raw, shift + (offset - a0)
 
     def _pread(self, info, buf, long long offset):
         fd = self.st.fileno(info.file_index)
@@ -2882,6 +2895,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
         _load_mtp(m)
     m.direct = direct
     m._direct_fds = {}
+    m._expert_layouts = {}
     m._io = _IoClock()
     # Rows of the cache: every layer index (dense ones stay empty) plus the MTP row.
     m.cache = ExpertCache(m.expert_load, cfg.n_layers + 1, m.cache_experts, io_threads=io_threads,
@@ -2894,6 +2908,32 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.cache.on_evict = m._slabs.recycle
     m.reset_stats()
     return m
+
+
+class _ExpertLayout:
+    """Where one container expert lies on disk, worked out once: its three payloads (gate, up,
+    down TensorInfos), their file order, whether they form one contiguous range (and each one's
+    start in it), and the byte span of their three F32 scale vectors when those are adjacent."""
+    __slots__ = ("payloads", "order", "contiguous", "starts", "total", "scales", "scale_span")
+
+    def __init__(self, st, names):
+        p = self.payloads = [st.info(n) for n in names]
+        self.order = sorted(range(3), key=lambda k: p[k].offset)
+        o = self.order
+        self.total = sum(i.nbytes for i in p)
+        self.contiguous = all(p[o[k]].file_index == p[o[0]].file_index and
+                              p[o[k]].offset == p[o[k - 1]].offset + p[o[k - 1]].nbytes for k in range(1, 3))
+        self.starts = [0, 0, 0]
+        at = 0
+        for k in o:                   # in one range: offsets from the first; else packed in order
+            self.starts[k] = p[k].offset - p[o[0]].offset if self.contiguous else at
+            at += p[k].nbytes
+        sc = self.scales = [st.info(n + ".qs") for n in names]
+        lo = min(sc, key=lambda i: i.offset)
+        span = max(i.offset + i.nbytes for i in sc) - lo.offset
+        adjacent = (all(i.dtype == "F32" and i.file_index == lo.file_index and (i.offset - lo.offset) % 4 == 0
+                        for i in sc) and span == sum(i.nbytes for i in sc))
+        self.scale_span = (lo, span) if adjacent else None
 
 
 class _SlabPool:
