@@ -1173,11 +1173,15 @@ def tree_fingerprint(src: str, parts: Sequence[str] = LLAMA_BUILD_INPUTS) -> str
 
 
 def build_error_line(text: str) -> str:
-    """The line that says why a cmake configure/build failed: the last compiler ``error:`` or
-    ``CMake Error`` line (make's closing 'Error 2' lines say nothing), else the last line."""
+    """The line that says why a cmake configure/build failed: the last compiler ``error:`` line,
+    or the last ``CMake Error at ...:`` line with the first line of its message (make's closing
+    'Error 2' lines say nothing); else the last line."""
     lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
-    for ln in reversed(lines):
+    for i in range(len(lines) - 1, -1, -1):
+        ln = lines[i]
         if re.search(r"\berror\b", ln, re.I) and not re.search(r"(make|ninja).*(\*\*\*|Error \d|failed)", ln, re.I):
+            if ln.startswith("CMake Error") and ln.endswith(":") and i + 1 < len(lines):
+                return ln + " " + lines[i + 1]
             return ln
     return last_error_line(text)
 
@@ -1501,17 +1505,20 @@ def run_colibri_long_prefill(container: str, err: Optional[str], vocab: int, arg
     return dict(out, **{k: got[k] for k in keep if k in got})
 
 
-def llama_bench_method_note(res: dict, args) -> str:
-    info = res.get("llama") or {}
+def llama_bench_method_note(info: dict, rows: List[dict], args) -> str:
+    """The report's note on how llama-bench was built and run (``info``: run_llama_suite's record)."""
     lens = f"{args.prompt_len}" + (f",{args.long_prompt}" if args.long_prompt else "")
-    meta = next((r["llama_bench"]["meta"] for r in res.get("rows", []) if r.get("llama_bench")), {})
-    built = ("reused" if info.get("reused") else "built") + " from the llama.cpp tree vendored in the "
-    built += "llama-cpp-python sdist" + (f" (build {meta.get('build_number')}, {meta.get('build_commit')})"
-                                         if meta else "")
+    meta = next((r["llama_bench"]["meta"] for r in rows if r.get("llama_bench")), {})
+    ver = os.path.basename(os.path.dirname(os.path.dirname(info["src"]))) if info.get("src") else "the"
+    built = ("built earlier (same source and flags) " if info.get("reused") else "built ") + \
+        f"from the llama.cpp tree vendored in the {ver} sdist" + \
+        (f" (llama.cpp build {meta.get('build_number')}, commit {meta.get('build_commit')})" if meta else "")
+    knobs = (f"; its defaults: n_batch {meta.get('n_batch')}, n_ubatch {meta.get('n_ubatch')}, flash_attn "
+             f"{meta.get('flash_attn')} (-1 = auto), repack {str(meta.get('repack')).lower()}") if meta else ""
     return (f"llama-bench: `llama-bench -m GGUF -t {args.threads} -p {lens} -n {args.tokens} -r {args.runs} -o json`"
             + (" --repack 0" if info.get("repack_off") else "")
             + f", {built}, cmake -DGGML_NATIVE=ON Release, target llama-bench only; "
-            + (info.get("amx_note") or "") + ". Its figures are avg ± stddev of its repetitions after its "
+            + (info.get("amx_note") or "") + knobs + ". Its figures are avg ± stddev of its repetitions after its "
             "own warm-up: ppN = an N-token prompt in one batch, tgN = N single-token decodes, both from an "
             "empty context, no sampling (the engine alone, no Python). llama-cpp-python rows: the Python "
             "loop, one eval() per token, logits read back each step."
@@ -1592,12 +1599,13 @@ def run_bench(args) -> dict:
                 row["note"] = "eager attention, generate()"
             rows.append(row)
     if not args.skip_llama:
-        rows.extend(run_llama_suite(model_dir, work, prompt, args.tokens, args.runs, args.threads,
-                                    args.timeout, res["notes"], args.quiet_wait, args.retries,
-                                    llama_bench=not args.skip_llama_bench, long_prompt=args.long_prompt,
-                                    amx_cpu=bool(res["machine"].get("amx")), info=res.setdefault("llama", {})))
+        llama_rows = run_llama_suite(model_dir, work, prompt, args.tokens, args.runs, args.threads,
+                                     args.timeout, res["notes"], args.quiet_wait, args.retries,
+                                     llama_bench=not args.skip_llama_bench, long_prompt=args.long_prompt,
+                                     amx_cpu=bool(res["machine"].get("amx")), info=res.setdefault("llama", {}))
+        rows.extend(llama_rows)
         if not args.skip_llama_bench:
-            res["notes"].append(llama_bench_method_note(res, args))
+            res["notes"].append(llama_bench_method_note(res["llama"], llama_rows, args))
 
     ref_tokens = next((r.get("tokens") for r in rows if r.get("engine") == "HF transformers"
                        and r.get("weights") == "f32" and r.get("tokens")), None)

@@ -179,3 +179,208 @@ def test_small_helpers():
           "ValueError: Failed to load model from file: m.gguf\n"
     assert bench.last_error_line(out).startswith("llama_model_load: error loading model")
     assert bench.last_error_line("a\nNotImplementedError: nope\n\n") == "NotImplementedError: nope"
+
+
+# ---------------------------------------------------------------------------------------------
+# llama-bench: build arguments, AMX detection, JSON parsing, report rows (nothing is built here)
+
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+SPR_FLAGS = ("fpu vme sse2 avx2 avx512f avx512_vnni avx512_bf16 amx_bf16 avx512_fp16 amx_tile amx_int8 "
+             "arch_capabilities")
+EPYC_FLAGS = "fpu vme sse2 avx2 avx512f avx512_vnni avx512_bf16 avx512vbmi"
+
+
+def test_amx_detection_from_cpuinfo():
+    cpuinfo = (f"processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: {SPR_FLAGS}\n\n"
+               f"processor\t: 1\nflags\t\t: {EPYC_FLAGS}\n")
+    flags = bench.cpu_flags(cpuinfo)
+    assert flags[:2] == ["fpu", "vme"] and "amx_int8" in flags   # the first processor's line
+    assert bench.amx_flags(flags) == ["amx_bf16", "amx_int8", "amx_tile"]
+    assert bench.amx_flags(EPYC_FLAGS.split()) == []
+    assert bench.cpu_flags("processor\t: 0\nmodel name\t: ARM\n") == []
+    assert isinstance(bench.machine_info()["amx"], list)
+
+
+def test_llama_bench_cmake_args():
+    plain = bench.llama_bench_cmake_args("/src", "/build", amx_cpu=False)
+    assert plain[:4] == ["-S", "/src", "-B", "/build"]
+    assert "-DGGML_NATIVE=ON" in plain and "-DCMAKE_BUILD_TYPE=Release" in plain
+    assert not any("amx" in a.lower() for a in plain)
+    amx = bench.llama_bench_cmake_args("/src", "/build", amx_cpu=True)
+    assert amx[: len(plain)] == plain
+    assert "-DGGML_AMX_INT8=OFF" in amx and "-DGGML_AMX_TILE=OFF" in amx and "-DGGML_AMX_BF16=OFF" in amx
+    for lang in ("C", "CXX"):
+        flags = next(a for a in amx if a.startswith(f"-DCMAKE_{lang}_FLAGS="))
+        assert set(flags.split("=", 1)[1].split()) == {"-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"}
+
+
+def _gcc_macros(*flags):
+    r = subprocess.run(["gcc", *flags, "-dM", "-E", "-"], input="", capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_no_amx_flags_beat_march():
+    """The build's premise: CMAKE_C_FLAGS come before ggml's -march on the compile line, and an
+    explicit -mno-amx-* still wins over the AMX that the -march CPU implies (only the
+    preprocessor runs: ggml's AMX kernels are compiled under __AMX_INT8__)."""
+    assert "__AMX_INT8__" in _gcc_macros("-march=sapphirerapids")
+    off = _gcc_macros(*bench.NO_AMX_CFLAGS.split(), "-march=sapphirerapids")
+    assert "__AMX_INT8__" not in off and "__AMX_TILE__" not in off and "__AMX_BF16__" not in off
+    assert "__AVX512VNNI__" in off  # the rest of the CPU's ISA stays
+    # -march=native: the driver expands it into explicit -m flags of the host and puts the
+    # user's own after them, so the last AMX flag cc1 sees is ours (on an AMX host too)
+    r = subprocess.run(["gcc", *bench.NO_AMX_CFLAGS.split(), "-march=native", "-###", "-E", "-"], input="",
+                       capture_output=True, text=True)
+    cc1 = next(ln for ln in r.stderr.splitlines() if "cc1" in ln)
+    for feat in ("amx-tile", "amx-int8", "amx-bf16"):
+        seen = [t.strip('"') for t in cc1.split() if t.strip('"') in (f"-m{feat}", f"-mno-{feat}")]
+        assert seen and seen[-1] == f"-mno-{feat}", (feat, seen)
+
+
+def test_tree_fingerprint(tmp_path):
+    src = tmp_path / "llama.cpp"
+    (src / "ggml" / "src").mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text("project(x)\n")
+    (src / "ggml" / "src" / "a.c").write_text("int a;\n")
+    (src / "docs").mkdir()
+    (src / "docs" / "x.md").write_text("doc\n")
+    first = bench.tree_fingerprint(str(src))
+    assert bench.tree_fingerprint(str(src)) == first
+    (src / "docs" / "x.md").write_text("doc changed, not a build input\n")
+    assert bench.tree_fingerprint(str(src)) == first
+    (src / "ggml" / "src" / "a.c").write_text("int a = 1;\n")
+    second = bench.tree_fingerprint(str(src))
+    assert second != first
+    (src / "ggml" / "src" / "b.c").write_text("")
+    assert bench.tree_fingerprint(str(src)) != second
+
+
+def test_ensure_llama_bench_reuses_a_current_build(tmp_path):
+    """A build whose stamp matches the tree and the arguments is reused: no cmake runs (the tree
+    here could not even configure).  Without an AMX CPU nothing is turned off; on one, with no
+    library to ask whether AMX kernels were compiled, llama-bench runs with --repack 0."""
+    src = tmp_path / "llama.cpp"
+    (src / "src").mkdir(parents=True)
+    (src / "src" / "llama.cpp").write_text("// not buildable\n")
+    work = tmp_path / "work"
+    build = work / "llama-bench-build"
+    (build / "bin").mkdir(parents=True)
+    (build / "bin" / "llama-bench").write_text("")
+    for amx_cpu in (False, True):
+        stamp = {"fingerprint": bench.tree_fingerprint(str(src)),
+                 "cmake_args": bench.llama_bench_cmake_args(str(src), str(build), amx_cpu)}
+        (build / "colibri_bench_build.json").write_text(json.dumps(stamp))
+        got = bench.ensure_llama_bench(str(src), str(work), amx_cpu, timeout=60)
+        assert "error" not in got and got["reused"] is True
+        assert got["binary"] == str(build / "bin" / "llama-bench") and got["amx_compiled"] is None
+        assert got["repack_off"] is amx_cpu
+        cmd = bench.llama_bench_cmd(got["binary"], "m.gguf", 2, [32, 512], 64, 3, got["repack_off"])
+        assert cmd[1:] == ["-m", "m.gguf", "-t", "2", "-p", "32,512", "-n", "64", "-r", "3", "-o", "json"] \
+            + (["--repack", "0"] if amx_cpu else [])
+    assert bench.amx_note(False, False, False) == "CPU without AMX"
+    assert bench.amx_note(True, False, False) == f"AMX CPU: built with AMX off ({bench.NO_AMX_CFLAGS})"
+    assert bench.amx_note(True, True, True) == "AMX CPU: --repack 0 (AMX still compiled in)"
+    assert bench.lib_has_amx(None) is None and bench.lib_has_amx(str(src / "src" / "llama.cpp")) is None
+
+
+def test_build_error_line():
+    out = ("[ 40%] Building CXX object src/CMakeFiles/llama.dir/llama.cpp.o\n"
+           "/src/llama.cpp:12:5: error: 'foo' was not declared in this scope\n"
+           "   12 |     foo();\n"
+           "gmake[2]: *** [src/CMakeFiles/llama.dir/build.make:76: src/llama.cpp.o] Error 1\n"
+           "gmake[1]: *** [CMakeFiles/Makefile2:1020: src/CMakeFiles/llama.dir/all] Error 2\n"
+           "gmake: *** [Makefile:146: all] Error 2\n")
+    assert bench.build_error_line(out) == "/src/llama.cpp:12:5: error: 'foo' was not declared in this scope"
+    conf = "-- The C compiler identification\nCMake Error at CMakeLists.txt:3 (project):\n  No CMAKE_CXX_COMPILER\n" \
+           "-- Configuring incomplete, errors occurred!\n"
+    assert bench.build_error_line(conf) == "CMake Error at CMakeLists.txt:3 (project): No CMAKE_CXX_COMPILER"
+    assert bench.build_error_line("CMake Error at x.txt:1 (message):\n") == "CMake Error at x.txt:1 (message):"
+    assert bench.build_error_line("all good\nbut exit 1\n") == "but exit 1"
+
+
+def test_parse_llama_bench_json():
+    """A real run's output: llama-bench -m bench-Q4_0.gguf -t 2 -p 32,512 -n 64 -r 3 -o json."""
+    text = (DATA / "llama_bench_q4_0.json").read_text()
+    raw = json.loads(text)
+    got = bench.parse_llama_bench_json("some log line\n" + text)
+    assert list(got["tests"]) == ["pp32", "pp512", "tg64"]
+    for t, key in zip(raw, got["tests"]):
+        g = got["tests"][key]
+        assert g["avg_ts"] == t["avg_ts"] and g["stddev_ts"] == t["stddev_ts"] and g["samples_ts"] == t["samples_ts"]
+        assert len(g["samples_ts"]) == 3
+        assert math.isclose(statistics_mean(g["samples_ts"]), g["avg_ts"], rel_tol=1e-4)
+    meta = got["meta"]
+    assert meta["n_threads"] == 2 and meta["repack"] is True and meta["model_type"].endswith("Q4_0")
+    assert meta["build_commit"] == raw[0]["build_commit"] and "cpu_info" in meta
+    row = bench.llama_bench_row(got, 32, 64)
+    assert row["prefill_tok_s"] == raw[0]["avg_ts"] and row["decode_tok_s"] == raw[2]["avg_ts"]
+    assert row["decode_samples"] == raw[2]["samples_ts"]
+    missing = bench.llama_bench_row(got, 16, 64)
+    assert missing["prefill_tok_s"] is None and missing["prefill_samples"] == []
+    assert bench._test_key({"n_prompt": 512, "n_gen": 64, "n_depth": 0}) == "pp512+tg64"
+    assert bench._test_key({"n_prompt": 0, "n_gen": 64, "n_depth": 4096}) == "tg64 @ d4096"
+    for bad in ("main: error: failed to load model\n", "[]", '[{"n_prompt": 32}]'):
+        with pytest.raises(ValueError):
+            bench.parse_llama_bench_json(bad)
+
+
+def statistics_mean(xs):
+    return sum(xs) / len(xs)
+
+
+def _llama_bench_res():
+    parsed = bench.parse_llama_bench_json((DATA / "llama_bench_q4_0.json").read_text())
+    lb = {"engine": bench.LB, "weights": "Q4_0", "cached": "all", "size_bytes": 179133056,
+          **bench.llama_bench_row(parsed, 32, 64),
+          "note": bench.llama_bench_note(parsed, 512, "CPU without AMX")}
+    return parsed, {
+        "date": "today", "machine": {"cpu": "Test CPU", "usable_cpus": 2, "amx": []},
+        "params": {"threads": 2, "prompt_len": 32, "tokens": 64, "runs": 3, "long_prompt": 512},
+        "rows": [
+            {"engine": "colibri", "weights": "int4 (io int8)", "cached": "all", "ref": True,
+             "prefill_tok_s": 200.0, "decode_tok_s": 250.0},
+            {"engine": bench.LCP, "weights": "Q4_0", "cached": "all", "prefill_tok_s": 400.0, "decode_tok_s": 125.0},
+            lb,
+            {"engine": bench.LCP, "weights": "Q8_0", "cached": "all", "prefill_tok_s": 300.0, "decode_tok_s": 100.0},
+            {"engine": bench.LB, "weights": "Q8_0", "cached": "all",
+             "error": "llama-bench build: /x/ggml.c:1:1: error: boom"},
+        ],
+        "colibri_long_prefill": {"engine": "colibri", "prefill_tok_s": 300.0, "prompt_len": 512},
+        "llama": {"amx_note": "CPU without AMX"},
+    }
+
+
+def test_report_llama_bench_rows():
+    parsed, res = _llama_bench_res()
+    pp32, pp512, tg64 = (parsed["tests"][k] for k in ("pp32", "pp512", "tg64"))
+    text = bench.render_report(res)
+    lines = text.splitlines()
+    main_header = next(ln for ln in lines if ln.startswith("| engine | weights | experts cached"))
+    main = [ln for ln in lines[lines.index(main_header):] if ln.startswith("| llama.cpp")]
+    # the main table: llama-bench's row right after llama-cpp-python's for the same GGUF
+    assert [ln.split(" | ")[0:2] for ln in main[:4]] == [
+        ["| " + bench.LCP, "Q4_0"], ["| " + bench.LB, "Q4_0"], ["| " + bench.LCP, "Q8_0"], ["| " + bench.LB, "Q8_0"]]
+    cells = [c.strip() for c in main[1].strip("|").split("|")]
+    assert cells[4] == bench.fmt_num(pp32["avg_ts"]) and cells[5] == bench.fmt_num(tg64["avg_ts"], 2)
+    assert cells[7] == f"{200.0 / pp32['avg_ts']:.2f}×" and cells[8] == f"{250.0 / tg64['avg_ts']:.2f}×"
+    assert cells[10] == (f"pp512 {bench.fmt_num(pp512['avg_ts'])} ± {bench.fmt_num(pp512['stddev_ts'])} tok/s; "
+                         "CPU without AMX")
+    assert "FAILED: llama-bench build: /x/ggml.c:1:1: error: boom" in main[3]
+    # the engine-only table: colibri against llama-bench, pp32 / pp512 / tg64 with the ratios
+    eo_header = next(ln for ln in lines if ln.startswith("| engine | weights | pp32 tok/s"))
+    assert eo_header == ("| engine | weights | pp32 tok/s | pp512 tok/s | tg64 tok/s | colibri ÷ pp32 | "
+                         "colibri ÷ pp512 | colibri ÷ tg64 | build / note |")
+    i = lines.index(eo_header)
+    col, q4, q8 = lines[i + 2], lines[i + 3], lines[i + 4]
+    assert col.startswith("| colibri | int4 (io int8), all experts cached | 200 | 300 | 250 | – | – | – |")
+    sd = lambda t: f"{bench.fmt_num(t['avg_ts'])} ± {bench.fmt_num(t['stddev_ts'])}"  # noqa: E731
+    assert q4 == (f"| {bench.LB} | Q4_0 | {sd(pp32)} | {sd(pp512)} | {sd(tg64)} | {200 / pp32['avg_ts']:.2f}× | "
+                  f"{300 / pp512['avg_ts']:.2f}× | {250 / tg64['avg_ts']:.2f}× | CPU without AMX |")
+    assert q8.startswith(f"| {bench.LB} | Q8_0 | – | – | – | – | – | – | FAILED: llama-bench build:")
+    # the spread table takes llama-bench's own samples
+    lo, hi = min(tg64["samples_ts"]), max(tg64["samples_ts"])
+    assert f"| {bench.LB} Q4_0 | " in text and f"{bench.fmt_num(lo, 2)} – {bench.fmt_num(hi, 2)} |" in text
+    # without llama-bench rows there is no engine-only table
+    res["rows"] = res["rows"][:2]
+    assert "pp32 tok/s" not in bench.render_report(res)
