@@ -575,6 +575,7 @@ def render_report(res: dict) -> str:
     lines.append(f"Machine: {m.get('cpu')}, {m.get('usable_cpus')} usable CPUs"
                  + (f" ({cores} physical cores)" if cores else "")
                  + (f", {m['mem_total_bytes'] / 2**30:.0f} GiB RAM" if m.get("mem_total_bytes") else "")
+                 + (("; AMX: " + " ".join(m["amx"]) if m["amx"] else "; no AMX") if "amx" in m else "")
                  + f"; {p.get('threads')} threads for every engine.")
     lines.append(f"Prompt {p.get('prompt_len')} tokens, {p.get('tokens')} tokens greedy; median of "
                  f"{p.get('runs')} runs after one warm-up. Measured {res.get('date', '')}.")

@@ -355,6 +355,9 @@ def test_report_llama_bench_rows():
     parsed, res = _llama_bench_res()
     pp32, pp512, tg64 = (parsed["tests"][k] for k in ("pp32", "pp512", "tg64"))
     text = bench.render_report(res)
+    assert "Machine: Test CPU, 2 usable CPUs; no AMX; 2 threads" in text
+    res["machine"]["amx"] = ["amx_int8", "amx_tile"]
+    assert "Machine: Test CPU, 2 usable CPUs; AMX: amx_int8 amx_tile; 2 threads" in bench.render_report(res)
     lines = text.splitlines()
     main_header = next(ln for ln in lines if ln.startswith("| engine | weights | experts cached"))
     main = [ln for ln in lines[lines.index(main_header):] if ln.startswith("| llama.cpp")]
