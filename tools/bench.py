@@ -15,14 +15,15 @@ Everything in the report is measured in the same invocation on the same machine:
    in its table row (the error's last line) and the bench goes on.
 3b. llama.cpp's engine-only figure: ``llama-bench`` built with cmake (``-DGGML_NATIVE=ON``,
    target llama-bench only) from the same vendored llama.cpp tree into ``--work``, reused while
-   that tree is unchanged, and run on each GGUF right after its llama-cpp-python measurement
-   (``llama-bench -m GGUF -t THREADS -p 32,512 -n 64 -r RUNS -o json``: pp32, pp512, tg64, avg ±
-   stddev).  On a CPU with AMX (/proc/cpuinfo flags amx_*), llama.cpp's AMX buffers make Q4_0/Q8_0
+   that tree is unchanged.  Engine-only rounds (``--runs`` of them) interleave it with colibri:
+   each round runs colibri with every expert cached (the bench prompt; a 512-token prompt) and
+   ``llama-bench -m GGUF -t THREADS -p 32,512 -n 64 -r 1 -o json`` on each GGUF, the order
+   reversed every other round; pp32, pp512, tg64 are avg ± stddev over the rounds (llama-bench's
+   statistics), with colibri ÷ llama-bench of the averages and within each round.  On a CPU with AMX (/proc/cpuinfo flags amx_*), llama.cpp's AMX buffers make Q4_0/Q8_0
    context creation abort (``GGML_ASSERT(*cur_backend_id != -1)``): llama-bench is then built with
    AMX compiled out (``-mno-amx-*``: ggml's GGML_AMX_* options do nothing under GGML_NATIVE), or
    run with ``--repack 0`` if the built library still has AMX kernels, and llama-cpp-python loads
-   with ``use_extra_bufts=False``; the report says which.  colibri's peer of pp512 is a
-   512-token-prompt run (all experts cached, ``--long-prompt``).
+   with ``use_extra_bufts=False``; the report says which.  ``--long-prompt`` sets the 512.
 4. Weight bytes touched per decoded token by colibri (from the container's tensor sizes), the
    achieved GB/s and the machine's memory bandwidth (numpy copy of a 1 GiB array, best of 5,
    read + write bytes counted).
@@ -528,37 +529,45 @@ def _avg_sd(t: Optional[dict]) -> str:
 
 
 def engine_only_table(res: dict) -> List[str]:
-    """Report lines: colibri (all experts cached) against llama-bench, llama.cpp without Python:
-    ppP (the bench's prompt), ppL (the long prompt) and tgN, with colibri ÷ llama-bench ratios.
-    [] when the run has no llama-bench rows."""
+    """Report lines: colibri (all experts cached) against llama-bench, llama.cpp without Python,
+    from the interleaved engine-only rounds: ppP (the bench's prompt), ppL (the long prompt) and
+    tgN, avg ± stddev over the rounds, colibri ÷ llama-bench of the averages and, per round, its
+    range.  [] when the run has neither llama-bench rows nor rounds."""
     rows = res.get("rows", [])
     lbs = [r for r in rows if r.get("engine") == LB]
-    if not lbs:
+    rounds = res.get("engine_rounds") or {}
+    if not lbs and not rounds:
         return []
     p = res.get("params", {})
     P, L, N = p.get("prompt_len"), p.get("long_prompt") or 0, p.get("tokens")
-    ref = next((r for r in rows if r.get("ref") and not r.get("error")), None)
-    long_ = res.get("colibri_long_prefill") or {}
-    col = {f"pp{P}": ref.get("prefill_tok_s") if ref else None, f"tg{N}": ref.get("decode_tok_s") if ref else None,
-           f"pp{L}": None if long_.get("error") else long_.get("prefill_tok_s")}
+    col = rounds.get("colibri") or {}
     keys = [f"pp{P}"] + ([f"pp{L}"] if L and L != P else []) + [f"tg{N}"]
     headers = (["engine", "weights"] + [f"{k} tok/s" for k in keys] + [f"colibri ÷ {k}" for k in keys]
-               + ["build / note"])
-    body = [["colibri", ref.get("weights", "") + ", all experts cached" if ref else "–"]
-            + [fmt_num(col[k], 2 if k.startswith("tg") else 1) for k in keys] + ["–"] * len(keys)
-            + ["median of runs; " + (f"pp{L}: FAILED: " + _short(long_["error"]) if long_.get("error")
-                                     else f"pp{L} = a {L}-token prompt" if L else "")]]
+               + ["note"])
+    cerr = (rounds.get("errors") or {})
+    body = [["colibri", "int4 (io int8), all experts cached"] + [_avg_sd(col.get(k)) for k in keys]
+            + ["–"] * len(keys)
+            + ["; ".join(f"FAILED: {_short(e)}" for n, e in cerr.items() if n.startswith("colibri"))
+               or (f"pp{L} = a {L}-token prompt" if L else "")]]
+    ranges = []
     for r in lbs:
         if r.get("error"):
             body.append([r["engine"], r.get("weights", "")] + ["–"] * (2 * len(keys)) + ["FAILED: " + _short(r["error"])])
             continue
         tests = r["llama_bench"]["tests"]
         body.append([r["engine"], r.get("weights", "")] + [_avg_sd(tests.get(k)) for k in keys]
-                    + [fmt_ratio(col[k], (tests.get(k) or {}).get("avg_ts")) for k in keys]
+                    + [fmt_ratio((col.get(k) or {}).get("avg_ts"), (tests.get(k) or {}).get("avg_ts")) for k in keys]
                     + [((res.get("llama") or {}).get("amx_note") or "")])
-    out = ["", f"Engine only: colibri ({'int4, ' if ref else ''}all experts cached) against llama-bench "
-               "(llama.cpp's own benchmark, no Python; avg ± stddev of its repetitions), tok/s; ratios "
-               "> 1 = colibri faster:", "", markdown_table(headers, body)]
+        rr = r.get("round_ratios") or {}
+        if rr:
+            ranges.append(f"{r.get('weights')}: " + ", ".join(
+                f"{k} {min(rr[k]):.2f}–{max(rr[k]):.2f}×" for k in keys if rr.get(k)))
+    n = rounds.get("rounds_kept", 0)
+    out = ["", f"Engine only: colibri (all experts cached) against llama-bench (llama.cpp's own benchmark, no "
+               f"Python), measured in the same {n} interleaved rounds; tok/s, avg ± stddev over the rounds; "
+               "ratios of the averages, > 1 = colibri faster:", "", markdown_table(headers, body)]
+    if ranges:
+        out += ["", "colibri ÷ llama-bench within each round (min – max): " + "; ".join(ranges) + "."]
     return out
 
 
@@ -720,36 +729,52 @@ def dir_bytes(d: str, suffix: str = ".safetensors") -> int:
     return sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if n.endswith(suffix))
 
 
+def colibri_once(container: str, prompt: List[int], n_tokens: int, cache: int, threads: int, work: str,
+                 extra=(), what: str = "colibri") -> dict:
+    """One fresh `python -m colibri run` process; its --stats-json, or {'error'}."""
+    stats = os.path.join(work, f"colibri_stats_{cache}_{len(prompt)}.json")
+    if os.path.exists(stats):
+        os.remove(stats)
+    r = _run([sys.executable, "-m", "colibri", "run", "--model", container,
+              "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(n_tokens),
+              "--temperature", "0", "--cache-experts", str(cache), "--threads", str(threads),
+              "--no-autopin", "--stats-json", stats, "--quiet", *extra],
+             env=dict(os.environ, OMP_NUM_THREADS=str(threads)), what=what)
+    if r.returncode != 0 or not os.path.exists(stats):
+        return {"error": "colibri run: " + last_error_line(r.stderr + r.stdout)}
+    with open(stats) as f:
+        return json.load(f)
+
+
+def colibri_rates(s: dict):
+    """(prefill tok/s, decode tok/s or None) of one colibri --stats-json: prompt tokens / prompt
+    forward time, and decode forwards (all forwards but the prompt's) / their wall time."""
+    dec = max(s["forwards"] - 1, 0) / s["decode_s"] if s["decode_s"] > 0 else None
+    return s["prefill_tokens"] / s["prefill_s"], dec
+
+
 def run_colibri(container: str, prompt: List[int], n_tokens: int, cache: int, threads: int,
                 runs: int, work: str, quiet_wait: float = 0.0, retries: int = 0, extra=()) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     failure = []
 
     def measure(i):
-        stats = os.path.join(work, f"colibri_stats_{cache}_{i}.json")
-        if os.path.exists(stats):
-            os.remove(stats)
-        r = _run([sys.executable, "-m", "colibri", "run", "--model", container,
-                  "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(n_tokens),
-                  "--temperature", "0", "--cache-experts", str(cache), "--threads", str(threads),
-                  "--no-autopin", "--stats-json", stats, "--quiet", *extra],
-                 env=env, what=f"colibri cache={cache} {'warm-up' if i == 0 else f'run {i}'}")
-        if r.returncode != 0 or not os.path.exists(stats):
-            failure.append("colibri run: " + last_error_line(r.stderr + r.stdout))
+        got = colibri_once(container, prompt, n_tokens, cache, threads, work, extra,
+                           what=f"colibri cache={cache} {'warm-up' if i == 0 else f'run {i}'}")
+        if "error" in got:
+            failure.append(got["error"])
             return None
-        with open(stats) as f:
-            return json.load(f)
+        return got
 
     got = collect(measure, runs, retries, quiet_wait, who="children")
     if failure:
         return {"error": failure[0]}
     samples = got.pop("samples")
     out = dict(got, samples=samples)
-    dec_forwards = [max(s["forwards"] - 1, 0) for s in samples]
-    out["prefill_tok_s"] = median([s["prefill_tokens"] / s["prefill_s"] for s in samples])
-    out["decode_tok_s"] = median([f / s["decode_s"] for f, s in zip(dec_forwards, samples) if s["decode_s"] > 0])
-    out["prefill_samples"] = [s["prefill_tokens"] / s["prefill_s"] for s in samples]
-    out["decode_samples"] = [f / s["decode_s"] for f, s in zip(dec_forwards, samples) if s["decode_s"] > 0]
+    rates = [colibri_rates(s) for s in samples]
+    out["prefill_samples"] = [p for p, _ in rates]
+    out["decode_samples"] = [d for _, d in rates if d is not None]
+    out["prefill_tok_s"] = median(out["prefill_samples"])
+    out["decode_tok_s"] = median(out["decode_samples"])
     out["decode_tokens"] = samples[-1]["decode_tokens"]
     out["tokens"] = samples[-1]["tokens"]
     out["peak_rss_bytes"] = max(s["peak_rss_bytes"] for s in samples)
@@ -1292,8 +1317,12 @@ def parse_llama_bench_json(text: str) -> dict:
         raise ValueError("llama-bench's JSON has no test results")
     tests = OrderedDict()
     for t in data:
+        n_tok = int(t.get("n_prompt") or 0) + int(t.get("n_gen") or 0)
+        # tok/s per repetition from the exact nanoseconds (samples_ts is printed to 3 decimals)
+        samples = ([n_tok * 1e9 / float(ns) for ns in t["samples_ns"]] if t.get("samples_ns") and n_tok
+                   else [float(x) for x in t.get("samples_ts") or []])
         tests[_test_key(t)] = {"avg_ts": float(t["avg_ts"]), "stddev_ts": float(t.get("stddev_ts") or 0.0),
-                               "samples_ts": [float(x) for x in t.get("samples_ts") or []],
+                               "samples_ts": samples,
                                "n_prompt": int(t.get("n_prompt") or 0), "n_gen": int(t.get("n_gen") or 0)}
     meta_keys = ("build_commit", "build_number", "cpu_info", "backends", "model_type", "model_size",
                  "n_threads", "n_batch", "n_ubatch", "flash_attn", "repack", "type_k", "type_v")
@@ -1311,37 +1340,135 @@ def llama_bench_row(parsed: dict, prompt_len: int, n_gen: int) -> dict:
             "llama_bench": parsed}
 
 
-def run_llama_bench(build: dict, gguf: str, threads: int, prompt_len: int, long_prompt: int, n_gen: int,
-                    runs: int, timeout: int, quiet_wait: float = 0.0, retries: int = 0) -> dict:
-    """One llama-bench invocation (its own warm-up, ``runs`` repetitions of each test) on a quiet
-    machine; re-run (up to ``retries`` times) when other processes took >= DISTURBED of the CPUs
-    meanwhile.  Returns the row fields (see llama_bench_row) or {'error'}."""
-    lens = [prompt_len] + ([long_prompt] if long_prompt and long_prompt != prompt_len else [])
-    cmd = llama_bench_cmd(build["binary"], gguf, threads, lens, n_gen, runs, build.get("repack_off", False))
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    best, others, gates, dirty = None, [], [], 0
-    for attempt in range(1 + max(retries, 0)):
-        if quiet_wait > 0:
-            gates.append(wait_quiet(quiet_wait))
-        with OtherLoad("children") as ol:
-            r = _run(cmd, env=env, timeout=timeout, what=f"llama-bench {os.path.basename(gguf)}")
-        if r.returncode != 0:
-            return {"error": "llama-bench: " + last_error_line(r.stderr + "\n" + r.stdout) + f" (exit {r.returncode})"}
-        try:
-            parsed = parse_llama_bench_json(r.stdout)
-        except ValueError as e:
-            return {"error": f"llama-bench: {e}: " + last_error_line(r.stderr + "\n" + r.stdout)}
-        others.append(ol.fraction)
-        disturbed = ol.fraction is not None and ol.fraction >= DISTURBED
-        if best is None or not disturbed or (ol.fraction or 0) < (best[1] or 0):
-            best = (parsed, ol.fraction, disturbed)
-        if not disturbed:
+def ts_stats(samples: Sequence[float]) -> dict:
+    """{'avg_ts', 'stddev_ts', 'samples_ts'} of tok/s samples, with llama-bench's statistics (the
+    mean; the sample standard deviation, n - 1, 0 for a single sample)."""
+    xs = [float(x) for x in samples]
+    return {"avg_ts": statistics.fmean(xs) if xs else None,
+            "stddev_ts": statistics.stdev(xs) if len(xs) > 1 else 0.0, "samples_ts": xs}
+
+
+def merge_llama_bench(parsed_runs: Sequence[dict]) -> dict:
+    """Several parsed llama-bench runs (one per interleaved round) as one: each test's samples
+    pooled, avg and stddev recomputed as llama-bench computes them; the first run's meta."""
+    tests: Dict[str, dict] = OrderedDict()
+    for parsed in parsed_runs:
+        for key, t in parsed["tests"].items():
+            got = tests.setdefault(key, {"samples_ts": [], "n_prompt": t["n_prompt"], "n_gen": t["n_gen"]})
+            got["samples_ts"].extend(t["samples_ts"])
+    for t in tests.values():
+        t.update(ts_stats(t["samples_ts"]))
+    return {"tests": tests, "meta": dict(parsed_runs[0]["meta"]) if parsed_runs else {},
+            "invocations": len(parsed_runs)}
+
+
+def llama_bench_once(build: dict, gguf: str, threads: int, lens: Sequence[int], n_gen: int,
+                     timeout: int) -> dict:
+    """One llama-bench invocation, -r 1 (after its own warm-up): parsed JSON or {'error'}."""
+    cmd = llama_bench_cmd(build["binary"], gguf, threads, lens, n_gen, 1, build.get("repack_off", False))
+    r = _run(cmd, env=dict(os.environ, OMP_NUM_THREADS=str(threads)), timeout=timeout,
+             what=f"llama-bench {os.path.basename(gguf)}")
+    if r.returncode != 0:
+        return {"error": "llama-bench: " + last_error_line(r.stderr + "\n" + r.stdout) + f" (exit {r.returncode})"}
+    try:
+        return parse_llama_bench_json(r.stdout)
+    except ValueError as e:
+        return {"error": f"llama-bench: {e}: " + last_error_line(r.stderr + "\n" + r.stdout)}
+
+
+def run_engine_rounds(container: Optional[str], lb_rows: List[dict], build: dict, prompt: List[int],
+                      long_prompt: List[int], args, work: str) -> dict:
+    """colibri (every expert cached) and llama-bench on each GGUF, interleaved: ``--runs`` rounds,
+    each one colibri process with the bench prompt (-> ppP, tgN), one with the long prompt
+    (-> ppL) and one llama-bench -r 1 per GGUF, the order reversed every other round.  A round
+    during which other processes took >= DISTURBED of the CPUs in any of its measurements is
+    discarded (up to ``--retries`` extra rounds).  Fills ``lb_rows`` with llama-bench's figures
+    (samples pooled over the rounds); returns colibri's figures and the per-round record."""
+    P, L, N = len(prompt), len(long_prompt), args.tokens
+    lens = [P] + ([L] if L and L != P else [])
+    out = {"engine": "engine-only rounds", "weights": "colibri + llama-bench", "rounds": [], "gates": []}
+    errors: Dict[str, str] = {}
+
+    def colibri_steps():
+        if not container:
+            return []
+        steps = [("colibri", lambda: colibri_once(container, prompt, N, 0, args.threads, work,
+                                                  what="colibri (engine-only round)"))]
+        if L:
+            steps.append(("colibri long", lambda: colibri_once(container, long_prompt, 2, 0, args.threads, work,
+                                                               what=f"colibri {L}-token prompt (engine-only round)")))
+        return steps
+
+    lb_steps = [(r["weights"], (lambda g=r["gguf"]: llama_bench_once(build, g, args.threads, lens, N, args.timeout)))
+                for r in lb_rows]
+    for name, step in colibri_steps():  # warm-up: page cache, first-process costs
+        got = step()
+        if "error" in got:
+            errors[name] = got["error"]
+    clean, dirty = [], []
+    attempts = 0
+    while len(clean) < args.runs and attempts < args.runs + args.retries:
+        steps = [(n, f) for n, f in colibri_steps() + lb_steps if n not in errors]
+        if not steps:
             break
-        dirty += 1
-    out = llama_bench_row(best[0], prompt_len, n_gen)
-    out.update({"command": " ".join(cmd), "clean": not best[2], "disturbed": dirty, "others": others,
-                "gates": gates})
+        if attempts % 2:
+            steps.reverse()
+        attempts += 1
+        if args.quiet_wait > 0:
+            out["gates"].append(wait_quiet(args.quiet_wait))
+        rnd = {"order": [n for n, _ in steps], "others": {}, "results": {}}
+        for name, step in steps:
+            with OtherLoad("children") as ol:
+                got = step()
+            if "error" in got:
+                errors[name] = got["error"]
+                continue
+            rnd["others"][name] = ol.fraction
+            rnd["results"][name] = got
+        rnd["clean"] = all(f is None or f < DISTURBED for f in rnd["others"].values())
+        (clean if rnd["clean"] else dirty).append(rnd)
+        out["rounds"].append({k: v for k, v in rnd.items() if k != "results"})
+    kept = clean if clean else dirty
+    out.update(clean=bool(clean), disturbed=len(dirty), rounds_kept=len(kept), others=[f for r in out["rounds"] for f in r["others"].values()])
+    col = {}
+    if container and "colibri" not in errors:
+        rates = [colibri_rates(r["results"]["colibri"]) for r in kept if "colibri" in r["results"]]
+        col[f"pp{P}"] = ts_stats([p for p, _ in rates])
+        col[f"tg{N}"] = ts_stats([d for _, d in rates if d is not None])
+    if container and L and "colibri long" not in errors:
+        col[f"pp{L}"] = ts_stats([colibri_rates(r["results"]["colibri long"])[0] for r in kept
+                                  if "colibri long" in r["results"]])
+    out["colibri"] = col
+    out["errors"] = errors
+    for row in lb_rows:
+        name = row["weights"]
+        if name in errors:
+            row["error"] = errors[name]
+            continue
+        merged = merge_llama_bench([r["results"][name] for r in kept if name in r["results"]])
+        row.update(llama_bench_row(merged, P, N))
+        row["command"] = " ".join(llama_bench_cmd(build["binary"], row["gguf"], args.threads, lens, N, 1,
+                                                  build.get("repack_off", False)))
+        row["note"] = llama_bench_note(merged, L, build.get("amx_note", ""))
+        for key in (f"pp{P}", f"tg{N}", f"pp{L}"):
+            c, t = col.get(key), merged["tests"].get(key)
+            ratios = [colibri_over_round(r, name, key, P, N, L) for r in kept]
+            ratios = [x for x in ratios if x is not None]
+            if c and t and ratios:
+                row.setdefault("round_ratios", {})[key] = ratios
     return out
+
+
+def colibri_over_round(rnd: dict, name: str, key: str, P: int, N: int, L: int) -> Optional[float]:
+    """colibri ÷ llama-bench (GGUF ``name``) for test ``key`` within one round."""
+    res = rnd.get("results", {})
+    lb = res.get(name, {}).get("tests", {}).get(key)
+    src = res.get("colibri long" if key == f"pp{L}" and L != P else "colibri")
+    if not lb or not src or not lb["samples_ts"]:
+        return None
+    pre, dec = colibri_rates(src)
+    mine = dec if key == f"tg{N}" else pre
+    return None if mine is None else mine / statistics.fmean(lb["samples_ts"])
 
 
 LCP = "llama.cpp (llama-cpp-python)"   # the Python loop: eval() per token through the bindings
@@ -1350,10 +1477,11 @@ LB = "llama.cpp (llama-bench)"          # llama.cpp's own C++ benchmark, engine 
 
 def run_llama_suite(model_dir: str, work: str, prompt, n_tokens, runs, threads, timeout,
                     notes: List[str], quiet_wait: float = 0.0, retries: int = 0, llama_bench: bool = True,
-                    long_prompt: int = 512, amx_cpu: bool = False, info: Optional[dict] = None) -> List[dict]:
-    """Convert (pad -> f32 GGUF -> Q4_0/Q8_0), build llama-bench from the same llama.cpp tree,
-    then per GGUF measure the llama-cpp-python loop and, right after it, llama-bench; failures
-    become error rows.  ``info`` (if given) receives the llama-bench build record."""
+                    amx_cpu: bool = False, info: Optional[dict] = None) -> List[dict]:
+    """Convert (pad -> f32 GGUF -> Q4_0/Q8_0), build llama-bench from the same llama.cpp tree and
+    measure the llama-cpp-python loop on each GGUF; failures become error rows.  The llama-bench
+    rows get their GGUF ('gguf') here and their figures in run_engine_rounds.  ``info`` (if
+    given) receives the llama-bench build record."""
     quants = [("q4_0", "Q4_0"), ("q8_0", "Q8_0")]
     engines = (LCP, LB) if llama_bench else (LCP,)
     rows = [{"engine": e, "weights": label, "cached": "all"} for _, label in quants for e in engines]
@@ -1442,13 +1570,9 @@ def run_llama_suite(model_dir: str, work: str, prompt, n_tokens, runs, threads, 
         if "error" in res:
             res["error"] = f"llama-cpp-python {label}: " + res["error"]
         lcp_row.update(res)
-        if lb_row is None or lb_row.get("error"):
-            continue
-        lb_row["size_bytes"] = os.path.getsize(dst)
-        lb_row.update(run_llama_bench(build, dst, threads, len(prompt), long_prompt, n_tokens, runs, timeout,
-                                      quiet_wait, retries))
-        if not lb_row.get("error"):
-            lb_row["note"] = llama_bench_note(lb_row["llama_bench"], long_prompt, build["amx_note"])
+        if lb_row is not None and not lb_row.get("error"):
+            lb_row["size_bytes"] = os.path.getsize(dst)
+            lb_row["gguf"] = dst  # measured in the engine-only rounds, interleaved with colibri
     return rows
 
 
@@ -1491,21 +1615,6 @@ def agreement(a: Optional[List[int]], b: Optional[List[int]]) -> Optional[int]:
     return n
 
 
-def run_colibri_long_prefill(container: str, err: Optional[str], vocab: int, args, work: str) -> dict:
-    """colibri's prefill of an ``--long-prompt``-token prompt (every expert cached), the peer of
-    llama-bench's ppN: 2 tokens generated, prefill tok/s from --stats-json, median of runs."""
-    out = {"engine": "colibri", "weights": "int4 (io int8)", "cached": f"all, {args.long_prompt}-token prompt",
-           "prompt_len": args.long_prompt}
-    if err:
-        return dict(out, error=err)
-    got = run_colibri(container, bench_prompt(args.long_prompt, vocab), 2, 0, args.threads, args.runs, work,
-                      args.quiet_wait, args.retries)
-    if got.get("error"):
-        return dict(out, error=got["error"])
-    keep = ("prefill_tok_s", "prefill_samples", "clean", "disturbed", "others", "gates", "peak_rss_bytes")
-    return dict(out, **{k: got[k] for k in keep if k in got})
-
-
 def llama_bench_method_note(info: dict, rows: List[dict], args) -> str:
     """The report's note on how llama-bench was built and run (``info``: run_llama_suite's record)."""
     lens = f"{args.prompt_len}" + (f",{args.long_prompt}" if args.long_prompt else "")
@@ -1516,13 +1625,16 @@ def llama_bench_method_note(info: dict, rows: List[dict], args) -> str:
         (f" (llama.cpp build {meta.get('build_number')}, commit {meta.get('build_commit')})" if meta else "")
     knobs = (f"; its defaults: n_batch {meta.get('n_batch')}, n_ubatch {meta.get('n_ubatch')}, flash_attn "
              f"{meta.get('flash_attn')} (-1 = auto), repack {str(meta.get('repack')).lower()}") if meta else ""
-    return (f"llama-bench: `llama-bench -m GGUF -t {args.threads} -p {lens} -n {args.tokens} -r {args.runs} -o json`"
+    return (f"llama-bench: `llama-bench -m GGUF -t {args.threads} -p {lens} -n {args.tokens} -r 1 -o json`"
             + (" --repack 0" if info.get("repack_off") else "")
-            + f", {built}, cmake -DGGML_NATIVE=ON Release, target llama-bench only; "
-            + (info.get("amx_note") or "") + knobs + ". Its figures are avg ± stddev of its repetitions after its "
-            "own warm-up: ppN = an N-token prompt in one batch, tgN = N single-token decodes, both from an "
-            "empty context, no sampling (the engine alone, no Python). llama-cpp-python rows: the Python "
-            "loop, one eval() per token, logits read back each step."
+            + f" once per round, {built}, cmake -DGGML_NATIVE=ON Release, target llama-bench only; "
+            + (info.get("amx_note") or "") + knobs + ". Each round runs colibri (all experts cached: the "
+            f"{args.prompt_len}-token prompt and {args.tokens} tokens, then a {args.long_prompt}-token prompt) and "
+            "llama-bench on each GGUF, the order reversed every other round; llama-bench's figures pool its "
+            "samples over the rounds with its own statistics (mean, sample stddev). ppN = an N-token prompt in "
+            "one batch, tgN = N single-token decodes, both from an empty context, no sampling (the engine "
+            "alone, no Python); colibri's tgN is its decode tok/s after the prompt. llama-cpp-python rows: the "
+            "Python loop, one eval() per token, logits read back each step."
             + ("" if info.get("llama_cpp_python_use_extra_bufts", True)
                else " On this AMX CPU llama-cpp-python loads with use_extra_bufts=False."))
 
@@ -1577,8 +1689,6 @@ def run_bench(args) -> dict:
                                + (f", prefetch recall {100 * row['prefetch_recall']:.0f}%, reads "
                                   f"{row['read_gb_s']:.2f} GB/s" if cache else ""))
         rows.append(row)
-    if args.long_prompt > 0:
-        res["colibri_long_prefill"] = run_colibri_long_prefill(int4, err, vocab, args, work)
     if not err:
         res["disk"] = measure_disk(int4, work)
     if not err:
@@ -1602,11 +1712,15 @@ def run_bench(args) -> dict:
     if not args.skip_llama:
         llama_rows = run_llama_suite(model_dir, work, prompt, args.tokens, args.runs, args.threads,
                                      args.timeout, res["notes"], args.quiet_wait, args.retries,
-                                     llama_bench=not args.skip_llama_bench, long_prompt=args.long_prompt,
+                                     llama_bench=not args.skip_llama_bench,
                                      amx_cpu=bool(res["machine"].get("amx")), info=res.setdefault("llama", {}))
         rows.extend(llama_rows)
-        if not args.skip_llama_bench:
-            res["notes"].append(llama_bench_method_note(res["llama"], llama_rows, args))
+    lb_rows = [r for r in rows if r.get("engine") == LB and r.get("gguf") and not r.get("error")]
+    if lb_rows or (args.long_prompt > 0 and not err):
+        res["engine_rounds"] = run_engine_rounds(None if err else int4, lb_rows, res.get("llama") or {}, prompt,
+                                                 bench_prompt(args.long_prompt, vocab), args, work)
+    if not args.skip_llama and not args.skip_llama_bench:
+        res["notes"].append(llama_bench_method_note(res["llama"], rows, args))
 
     ref_tokens = next((r.get("tokens") for r in rows if r.get("engine") == "HF transformers"
                        and r.get("weights") == "f32" and r.get("tokens")), None)
@@ -1615,7 +1729,7 @@ def run_bench(args) -> dict:
             if r.get("tokens"):
                 r["greedy_prefix_vs_hf_f32"] = agreement(r["tokens"], ref_tokens)
     res["rows"] = rows
-    measured = rows + ([res["colibri_long_prefill"]] if res.get("colibri_long_prefill") else [])
+    measured = rows + ([res["engine_rounds"]] if res.get("engine_rounds") else [])
     gates = [g for r in measured for g in (r.get("gates") or [])]
     if args.quiet_wait > 0 and gates:
         busy = [g for g in gates if not g["quiet"]]

@@ -307,15 +307,16 @@ def test_parse_llama_bench_json():
     assert list(got["tests"]) == ["pp32", "pp512", "tg64"]
     for t, key in zip(raw, got["tests"]):
         g = got["tests"][key]
-        assert g["avg_ts"] == t["avg_ts"] and g["stddev_ts"] == t["stddev_ts"] and g["samples_ts"] == t["samples_ts"]
-        assert len(g["samples_ts"]) == 3
-        assert math.isclose(statistics_mean(g["samples_ts"]), g["avg_ts"], rel_tol=1e-4)
+        assert g["avg_ts"] == t["avg_ts"] and g["stddev_ts"] == t["stddev_ts"]
+        assert len(g["samples_ts"]) == 3  # from samples_ns: exact, where samples_ts has 3 decimals
+        assert all(math.isclose(a, b, abs_tol=6e-4) for a, b in zip(g["samples_ts"], t["samples_ts"]))
+        assert math.isclose(statistics_mean(g["samples_ts"]), g["avg_ts"], rel_tol=1e-9)
     meta = got["meta"]
     assert meta["n_threads"] == 2 and meta["repack"] is True and meta["model_type"].endswith("Q4_0")
     assert meta["build_commit"] == raw[0]["build_commit"] and "cpu_info" in meta
     row = bench.llama_bench_row(got, 32, 64)
     assert row["prefill_tok_s"] == raw[0]["avg_ts"] and row["decode_tok_s"] == raw[2]["avg_ts"]
-    assert row["decode_samples"] == raw[2]["samples_ts"]
+    assert row["decode_samples"] == got["tests"]["tg64"]["samples_ts"]
     missing = bench.llama_bench_row(got, 16, 64)
     assert missing["prefill_tok_s"] is None and missing["prefill_samples"] == []
     assert bench._test_key({"n_prompt": 512, "n_gen": 64, "n_depth": 0}) == "pp512+tg64"
@@ -329,10 +330,58 @@ def statistics_mean(xs):
     return sum(xs) / len(xs)
 
 
+def _parsed(name):
+    return bench.parse_llama_bench_json((DATA / name).read_text())
+
+
+def test_ts_stats_matches_llama_bench():
+    """Pooled samples are summarised with llama-bench's own statistics: its avg_ts / stddev_ts of
+    a real -r 3 run come back from its samples."""
+    for t in _parsed("llama_bench_q4_0.json")["tests"].values():
+        got = bench.ts_stats(t["samples_ts"])
+        assert math.isclose(got["avg_ts"], t["avg_ts"], rel_tol=1e-8)
+        assert math.isclose(got["stddev_ts"], t["stddev_ts"], rel_tol=1e-5)
+    assert bench.ts_stats([5.0]) == {"avg_ts": 5.0, "stddev_ts": 0.0, "samples_ts": [5.0]}
+
+
+def test_merge_llama_bench_rounds():
+    r3, r1 = _parsed("llama_bench_q4_0.json"), _parsed("llama_bench_q8_0_r1.json")  # real -r 3 and -r 1 runs
+    assert [len(t["samples_ts"]) for t in r1["tests"].values()] == [1, 1, 1]
+    merged = bench.merge_llama_bench([r3, r1, r1])
+    assert merged["invocations"] == 3 and merged["meta"] == r3["meta"]
+    for key in ("pp32", "pp512", "tg64"):
+        pooled = r3["tests"][key]["samples_ts"] + 2 * r1["tests"][key]["samples_ts"]
+        t = merged["tests"][key]
+        assert t["samples_ts"] == pooled and t["avg_ts"] == bench.ts_stats(pooled)["avg_ts"]
+        assert t["stddev_ts"] == bench.ts_stats(pooled)["stddev_ts"] > 0
+        assert (t["n_prompt"], t["n_gen"]) == (r3["tests"][key]["n_prompt"], r3["tests"][key]["n_gen"])
+    one = bench.merge_llama_bench([r1])["tests"]["tg64"]
+    assert math.isclose(one["avg_ts"], r1["tests"]["tg64"]["avg_ts"], rel_tol=1e-8) and one["stddev_ts"] == 0.0
+
+
+def _colibri_stats(prompt, prefill_s, forwards, decode_s):
+    return {"prefill_tokens": prompt, "prefill_s": prefill_s, "forwards": forwards, "decode_s": decode_s}
+
+
+def test_colibri_over_round():
+    lb = _parsed("llama_bench_q8_0_r1.json")
+    rnd = {"results": {"colibri": _colibri_stats(32, 0.16, 64, 0.252),   # 200 tok/s prefill, 250 decode
+                       "colibri long": _colibri_stats(512, 1.6, 2, 0.004), "Q8_0": lb}}
+    t = lb["tests"]
+    assert bench.colibri_rates(rnd["results"]["colibri"]) == (200.0, 250.0)
+    assert math.isclose(bench.colibri_over_round(rnd, "Q8_0", "pp32", 32, 64, 512), 200 / t["pp32"]["avg_ts"],
+                        rel_tol=1e-5)
+    assert math.isclose(bench.colibri_over_round(rnd, "Q8_0", "tg64", 32, 64, 512), 250 / t["tg64"]["avg_ts"],
+                        rel_tol=1e-5)
+    assert math.isclose(bench.colibri_over_round(rnd, "Q8_0", "pp512", 32, 64, 512), 320 / t["pp512"]["avg_ts"],
+                        rel_tol=1e-5)
+    assert bench.colibri_over_round(rnd, "Q4_0", "pp32", 32, 64, 512) is None
+
+
 def _llama_bench_res():
-    parsed = bench.parse_llama_bench_json((DATA / "llama_bench_q4_0.json").read_text())
+    parsed = bench.merge_llama_bench([_parsed("llama_bench_q4_0.json")])
     lb = {"engine": bench.LB, "weights": "Q4_0", "cached": "all", "size_bytes": 179133056,
-          **bench.llama_bench_row(parsed, 32, 64),
+          **bench.llama_bench_row(parsed, 32, 64), "round_ratios": {"pp32": [0.3, 0.4], "tg64": [0.9, 1.1]},
           "note": bench.llama_bench_note(parsed, 512, "CPU without AMX")}
     return parsed, {
         "date": "today", "machine": {"cpu": "Test CPU", "usable_cpus": 2, "amx": []},
@@ -346,7 +395,9 @@ def _llama_bench_res():
             {"engine": bench.LB, "weights": "Q8_0", "cached": "all",
              "error": "llama-bench build: /x/ggml.c:1:1: error: boom"},
         ],
-        "colibri_long_prefill": {"engine": "colibri", "prefill_tok_s": 300.0, "prompt_len": 512},
+        "engine_rounds": {"rounds_kept": 3, "colibri": {"pp32": bench.ts_stats([180.0, 220.0]),
+                                                        "pp512": bench.ts_stats([300.0]),
+                                                        "tg64": bench.ts_stats([240.0, 260.0])}},
         "llama": {"amx_note": "CPU without AMX"},
     }
 
@@ -370,20 +421,73 @@ def test_report_llama_bench_rows():
     assert cells[10] == (f"pp512 {bench.fmt_num(pp512['avg_ts'])} ± {bench.fmt_num(pp512['stddev_ts'])} tok/s; "
                          "CPU without AMX")
     assert "FAILED: llama-bench build: /x/ggml.c:1:1: error: boom" in main[3]
-    # the engine-only table: colibri against llama-bench, pp32 / pp512 / tg64 with the ratios
+    # the engine-only table: colibri and llama-bench from the same rounds, pp32 / pp512 / tg64
     eo_header = next(ln for ln in lines if ln.startswith("| engine | weights | pp32 tok/s"))
     assert eo_header == ("| engine | weights | pp32 tok/s | pp512 tok/s | tg64 tok/s | colibri ÷ pp32 | "
-                         "colibri ÷ pp512 | colibri ÷ tg64 | build / note |")
+                         "colibri ÷ pp512 | colibri ÷ tg64 | note |")
+    assert "measured in the same 3 interleaved rounds" in text
     i = lines.index(eo_header)
     col, q4, q8 = lines[i + 2], lines[i + 3], lines[i + 4]
-    assert col.startswith("| colibri | int4 (io int8), all experts cached | 200 | 300 | 250 | – | – | – |")
+    sd200 = bench.fmt_num(bench.ts_stats([180.0, 220.0])["stddev_ts"])
+    sd250 = bench.fmt_num(bench.ts_stats([240.0, 260.0])["stddev_ts"])
+    assert col == (f"| colibri | int4 (io int8), all experts cached | 200 ± {sd200} | 300 ± 0.0 | 250 ± {sd250} "
+                   "| – | – | – | pp512 = a 512-token prompt |")
     sd = lambda t: f"{bench.fmt_num(t['avg_ts'])} ± {bench.fmt_num(t['stddev_ts'])}"  # noqa: E731
     assert q4 == (f"| {bench.LB} | Q4_0 | {sd(pp32)} | {sd(pp512)} | {sd(tg64)} | {200 / pp32['avg_ts']:.2f}× | "
                   f"{300 / pp512['avg_ts']:.2f}× | {250 / tg64['avg_ts']:.2f}× | CPU without AMX |")
     assert q8.startswith(f"| {bench.LB} | Q8_0 | – | – | – | – | – | – | FAILED: llama-bench build:")
+    assert "colibri ÷ llama-bench within each round (min – max): Q4_0: pp32 0.30–0.40×, tg64 0.90–1.10×." in text
     # the spread table takes llama-bench's own samples
     lo, hi = min(tg64["samples_ts"]), max(tg64["samples_ts"])
     assert f"| {bench.LB} Q4_0 | " in text and f"{bench.fmt_num(lo, 2)} – {bench.fmt_num(hi, 2)} |" in text
-    # without llama-bench rows there is no engine-only table
+    # without llama-bench rows or rounds there is no engine-only table
     res["rows"] = res["rows"][:2]
+    del res["engine_rounds"]
     assert "pp32 tok/s" not in bench.render_report(res)
+
+
+def test_engine_rounds_interleave(tiny, tmp_path):
+    """The rounds run colibri for real (the tiny fixture's int4 container) and an executable in
+    llama-bench's place that logs its arguments and prints a captured llama-bench -r 1 output:
+    the order reverses every other round, llama-bench's samples pool over the rounds, each
+    round gives a colibri ÷ llama-bench ratio, and a llama-bench that fails makes its row's error."""
+    import argparse
+    from colibri.convert import ConvertOptions, convert
+
+    int4 = tmp_path / "int4"
+    convert(str(tiny), str(int4), ConvertOptions(expert_bits=4, dense_bits=4, io_bits=8), verbose=False)
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!{sys.executable}\n"
+                    "import sys\n"
+                    f"open({str(log)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+                    "if 'bad.gguf' in sys.argv:\n"
+                    "    sys.stderr.write('main: error: failed to load model bad.gguf\\n'); sys.exit(1)\n"
+                    f"sys.stdout.write(open({str(DATA / 'llama_bench_q8_0_r1.json')!r}).read())\n")
+    fake.chmod(0o755)
+    build = {"binary": str(fake), "repack_off": True, "amx_note": "AMX CPU: --repack 0"}
+    rows = [{"engine": bench.LB, "weights": "Q8_0", "gguf": "q8.gguf"},
+            {"engine": bench.LB, "weights": "Q4_0", "gguf": "bad.gguf"}]
+    vocab = _cfg(tiny)["vocab_size"]
+    args = argparse.Namespace(runs=2, retries=0, quiet_wait=0.0, threads=1, tokens=4, timeout=120)
+    out = bench.run_engine_rounds(str(int4), rows, build, bench.bench_prompt(32, vocab), bench.bench_prompt(512, vocab),
+                                  args, str(tmp_path))
+    assert out["rounds_kept"] == 2 and len(out["rounds"]) == 2
+    assert out["rounds"][0]["order"] == ["colibri", "colibri long", "Q8_0", "Q4_0"]
+    assert out["rounds"][1]["order"] == ["Q8_0", "colibri long", "colibri"]  # reversed; Q4_0 failed in round 1
+    calls = log.read_text().splitlines()
+    assert calls[0] == "-m q8.gguf -t 1 -p 32,512 -n 4 -r 1 -o json --repack 0"
+    assert len(calls) == 3 and calls[1].startswith("-m bad.gguf")
+    q8, bad = rows
+    assert bad["error"] == "llama-bench: main: error: failed to load model bad.gguf (exit 1)"
+    r1 = _parsed("llama_bench_q8_0_r1.json")["tests"]
+    tests = q8["llama_bench"]["tests"]
+    assert q8["llama_bench"]["invocations"] == 2 and tests["pp32"]["samples_ts"] == 2 * r1["pp32"]["samples_ts"]
+    assert q8["prefill_tok_s"] == tests["pp32"]["avg_ts"] and q8["note"].endswith("AMX CPU: --repack 0")
+    col = out["colibri"]
+    assert len(col["pp32"]["samples_ts"]) == 2 and len(col["pp512"]["samples_ts"]) == 2
+    assert len(col["tg4"]["samples_ts"]) == 2 and all(x > 0 for x in col["tg4"]["samples_ts"])
+    # the ratios come from the same round's colibri and llama-bench runs
+    assert len(q8["round_ratios"]["pp32"]) == 2
+    assert math.isclose(q8["round_ratios"]["pp32"][0] * r1["pp32"]["avg_ts"], col["pp32"]["samples_ts"][0],
+                        rel_tol=1e-6)
