@@ -564,7 +564,7 @@ def engine_only_table(res: dict) -> List[str]:
                 f"{k} {min(rr[k]):.2f}–{max(rr[k]):.2f}×" for k in keys if rr.get(k)))
     n = rounds.get("rounds_kept", 0)
     out = ["", f"Engine only: colibri (all experts cached) against llama-bench (llama.cpp's own benchmark, no "
-               f"Python), measured in the same {n} interleaved rounds; tok/s, avg ± stddev over the rounds; "
+               f"Python), measured in the same {n} interleaved round{'' if n == 1 else 's'}; tok/s, avg ± stddev over the rounds; "
                "ratios of the averages, > 1 = colibri faster:", "", markdown_table(headers, body)]
     if ranges:
         out += ["", "colibri ÷ llama-bench within each round (min – max): " + "; ".join(ranges) + "."]
