@@ -13,6 +13,17 @@ Everything in the report is measured in the same invocation on the same machine:
    converted by llama.cpp's own ``convert_hf_to_gguf.py`` to an f32 GGUF, then quantized to
    Q4_0 and Q8_0; each file is measured in its own subprocess.  Any step that fails is reported
    in its table row (the error's last line) and the bench goes on.
+3b. llama.cpp's engine-only figure: ``llama-bench`` built with cmake (``-DGGML_NATIVE=ON``,
+   target llama-bench only) from the same vendored llama.cpp tree into ``--work``, reused while
+   that tree is unchanged.  Engine-only rounds (``--runs`` of them) interleave it with colibri:
+   each round runs colibri with every expert cached (the bench prompt; a 512-token prompt) and
+   ``llama-bench -m GGUF -t THREADS -p 32,512 -n 64 -r 1 -o json`` on each GGUF, the order
+   reversed every other round; pp32, pp512, tg64 are avg ± stddev over the rounds (llama-bench's
+   statistics), with colibri ÷ llama-bench of the averages and within each round.  On a CPU with AMX (/proc/cpuinfo flags amx_*), llama.cpp's AMX buffers make Q4_0/Q8_0
+   context creation abort (``GGML_ASSERT(*cur_backend_id != -1)``): llama-bench is then built with
+   AMX compiled out (``-mno-amx-*``: ggml's GGML_AMX_* options do nothing under GGML_NATIVE), or
+   run with ``--repack 0`` if the built library still has AMX kernels, and llama-cpp-python loads
+   with ``use_extra_bufts=False``; the report says which.  ``--long-prompt`` sets the 512.
 4. Weight bytes touched per decoded token by colibri (from the container's tensor sizes), the
    achieved GB/s and the machine's memory bandwidth (numpy copy of a 1 GiB array, best of 5,
    read + write bytes counted).
@@ -33,12 +44,14 @@ Setup (the llama.cpp rows; without it they show the failure and the rest still r
     CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python gguf   # compiles llama.cpp
 
 The converter ships in the llama-cpp-python sdist (vendor/llama.cpp/convert_hf_to_gguf.py);
-the bench fetches that sdist with ``pip download`` into ``--work`` the first time.
+the bench fetches that sdist with ``pip download`` into ``--work`` the first time.  Building
+llama-bench from it needs cmake and a C++ compiler (``--skip-llama-bench`` leaves it out).
 
 Usage::
 
     python tools/make_bench_model.py --out /tmp/bench_model      # optional: --model builds it
     python tools/bench.py --model /tmp/bench_model --runs 3 --json /tmp/bench.json
+    python tools/bench.py --model /tmp/bench_model --skip-hf --skip-draft    # colibri vs llama.cpp
 
 ``--model`` is the f32 fixture (built with tools/make_bench_model.py when missing); converted
 files go to ``--work`` (default /tmp/colibri_bench) and are reused while newer than the fixture.
@@ -259,6 +272,27 @@ def wait_quiet(max_wait: float, threshold: float = 0.25) -> dict:
 # machine
 
 
+def cpu_flags(cpuinfo_text: Optional[str] = None) -> List[str]:
+    """The CPU feature flags of the first processor in /proc/cpuinfo (or in ``cpuinfo_text``):
+    the words after 'flags :' ([] where there is no such line, e.g. not Linux x86)."""
+    if cpuinfo_text is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo_text = f.read()
+        except OSError:
+            return []
+    for ln in cpuinfo_text.splitlines():
+        k, _, v = ln.partition(":")
+        if k.strip() == "flags":
+            return v.split()
+    return []
+
+
+def amx_flags(flags: Sequence[str]) -> List[str]:
+    """The Intel AMX features among CPU flags: amx_tile, amx_int8, amx_bf16 (amx_fp16, ...)."""
+    return sorted(f for f in flags if f.startswith("amx"))
+
+
 def machine_info() -> dict:
     model, physical = None, set()
     try:
@@ -296,6 +330,7 @@ def machine_info() -> dict:
         "usable_cpus": usable,
         "physical_cores": len(physical) or None,
         "mem_total_bytes": mem,
+        "amx": amx_flags(cpu_flags()),
         "os": platform.platform(),
         "python": platform.python_version(),
     }
@@ -489,6 +524,53 @@ def _prefix(r: dict) -> str:
     return f"{n}/{len(r['tokens'])}"
 
 
+def _avg_sd(t: Optional[dict]) -> str:
+    return "–" if not t else f"{fmt_num(t['avg_ts'])} ± {fmt_num(t['stddev_ts'])}"
+
+
+def engine_only_table(res: dict) -> List[str]:
+    """Report lines: colibri (all experts cached) against llama-bench, llama.cpp without Python,
+    from the interleaved engine-only rounds: ppP (the bench's prompt), ppL (the long prompt) and
+    tgN, avg ± stddev over the rounds, colibri ÷ llama-bench of the averages and, per round, its
+    range.  [] when the run has neither llama-bench rows nor rounds."""
+    rows = res.get("rows", [])
+    lbs = [r for r in rows if r.get("engine") == LB]
+    rounds = res.get("engine_rounds") or {}
+    if not lbs and not rounds:
+        return []
+    p = res.get("params", {})
+    P, L, N = p.get("prompt_len"), p.get("long_prompt") or 0, p.get("tokens")
+    col = rounds.get("colibri") or {}
+    keys = [f"pp{P}"] + ([f"pp{L}"] if L and L != P else []) + [f"tg{N}"]
+    headers = (["engine", "weights"] + [f"{k} tok/s" for k in keys] + [f"colibri ÷ {k}" for k in keys]
+               + ["note"])
+    cerr = (rounds.get("errors") or {})
+    body = [["colibri", "int4 (io int8), all experts cached"] + [_avg_sd(col.get(k)) for k in keys]
+            + ["–"] * len(keys)
+            + ["; ".join(f"FAILED: {_short(e)}" for n, e in cerr.items() if n.startswith("colibri"))
+               or (f"pp{L} = a {L}-token prompt" if L else "")]]
+    ranges = []
+    for r in lbs:
+        if r.get("error"):
+            body.append([r["engine"], r.get("weights", "")] + ["–"] * (2 * len(keys)) + ["FAILED: " + _short(r["error"])])
+            continue
+        tests = r["llama_bench"]["tests"]
+        body.append([r["engine"], r.get("weights", "")] + [_avg_sd(tests.get(k)) for k in keys]
+                    + [fmt_ratio((col.get(k) or {}).get("avg_ts"), (tests.get(k) or {}).get("avg_ts")) for k in keys]
+                    + [((res.get("llama") or {}).get("amx_note") or "")])
+        rr = r.get("round_ratios") or {}
+        if rr:
+            ranges.append(f"{r.get('weights')}: " + ", ".join(
+                f"{k} {min(rr[k]):.2f}–{max(rr[k]):.2f}×" for k in keys if rr.get(k)))
+    n = rounds.get("rounds_kept", 0)
+    out = ["", f"Engine only: colibri (all experts cached) against llama-bench (llama.cpp's own benchmark, no "
+               f"Python), measured in the same {n} interleaved round{'' if n == 1 else 's'}; tok/s, avg ± stddev over the rounds; "
+               "ratios of the averages, > 1 = colibri faster:", "", markdown_table(headers, body)]
+    if ranges:
+        out += ["", "colibri ÷ llama-bench within each round (min – max): " + "; ".join(ranges) + "."]
+    return out
+
+
 def render_report(res: dict) -> str:
     """The markdown report of a bench result dictionary (see ``main`` for its fields)."""
     m = res.get("machine", {})
@@ -502,6 +584,7 @@ def render_report(res: dict) -> str:
     lines.append(f"Machine: {m.get('cpu')}, {m.get('usable_cpus')} usable CPUs"
                  + (f" ({cores} physical cores)" if cores else "")
                  + (f", {m['mem_total_bytes'] / 2**30:.0f} GiB RAM" if m.get("mem_total_bytes") else "")
+                 + (("; AMX: " + " ".join(m["amx"]) if m["amx"] else "; no AMX") if "amx" in m else "")
                  + f"; {p.get('threads')} threads for every engine.")
     lines.append(f"Prompt {p.get('prompt_len')} tokens, {p.get('tokens')} tokens greedy; median of "
                  f"{p.get('runs')} runs after one warm-up. Measured {res.get('date', '')}.")
@@ -529,6 +612,7 @@ def render_report(res: dict) -> str:
         lines.append("")
         lines.append(f"Ratios: colibri {ref.get('weights')}, {ref.get('cached')} experts cached ÷ peer "
                      "(> 1 = colibri faster).")
+    lines.extend(engine_only_table(res))
     spread = [r for r in rows if not r.get("error") and r.get("decode_samples")]
     if spread:
         lines.append("")
@@ -645,36 +729,52 @@ def dir_bytes(d: str, suffix: str = ".safetensors") -> int:
     return sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d) if n.endswith(suffix))
 
 
+def colibri_once(container: str, prompt: List[int], n_tokens: int, cache: int, threads: int, work: str,
+                 extra=(), what: str = "colibri") -> dict:
+    """One fresh `python -m colibri run` process; its --stats-json, or {'error'}."""
+    stats = os.path.join(work, f"colibri_stats_{cache}_{len(prompt)}.json")
+    if os.path.exists(stats):
+        os.remove(stats)
+    r = _run([sys.executable, "-m", "colibri", "run", "--model", container,
+              "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(n_tokens),
+              "--temperature", "0", "--cache-experts", str(cache), "--threads", str(threads),
+              "--no-autopin", "--stats-json", stats, "--quiet", *extra],
+             env=dict(os.environ, OMP_NUM_THREADS=str(threads)), what=what)
+    if r.returncode != 0 or not os.path.exists(stats):
+        return {"error": "colibri run: " + last_error_line(r.stderr + r.stdout)}
+    with open(stats) as f:
+        return json.load(f)
+
+
+def colibri_rates(s: dict):
+    """(prefill tok/s, decode tok/s or None) of one colibri --stats-json: prompt tokens / prompt
+    forward time, and decode forwards (all forwards but the prompt's) / their wall time."""
+    dec = max(s["forwards"] - 1, 0) / s["decode_s"] if s["decode_s"] > 0 else None
+    return s["prefill_tokens"] / s["prefill_s"], dec
+
+
 def run_colibri(container: str, prompt: List[int], n_tokens: int, cache: int, threads: int,
                 runs: int, work: str, quiet_wait: float = 0.0, retries: int = 0, extra=()) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     failure = []
 
     def measure(i):
-        stats = os.path.join(work, f"colibri_stats_{cache}_{i}.json")
-        if os.path.exists(stats):
-            os.remove(stats)
-        r = _run([sys.executable, "-m", "colibri", "run", "--model", container,
-                  "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(n_tokens),
-                  "--temperature", "0", "--cache-experts", str(cache), "--threads", str(threads),
-                  "--no-autopin", "--stats-json", stats, "--quiet", *extra],
-                 env=env, what=f"colibri cache={cache} {'warm-up' if i == 0 else f'run {i}'}")
-        if r.returncode != 0 or not os.path.exists(stats):
-            failure.append("colibri run: " + last_error_line(r.stderr + r.stdout))
+        got = colibri_once(container, prompt, n_tokens, cache, threads, work, extra,
+                           what=f"colibri cache={cache} {'warm-up' if i == 0 else f'run {i}'}")
+        if "error" in got:
+            failure.append(got["error"])
             return None
-        with open(stats) as f:
-            return json.load(f)
+        return got
 
     got = collect(measure, runs, retries, quiet_wait, who="children")
     if failure:
         return {"error": failure[0]}
     samples = got.pop("samples")
     out = dict(got, samples=samples)
-    dec_forwards = [max(s["forwards"] - 1, 0) for s in samples]
-    out["prefill_tok_s"] = median([s["prefill_tokens"] / s["prefill_s"] for s in samples])
-    out["decode_tok_s"] = median([f / s["decode_s"] for f, s in zip(dec_forwards, samples) if s["decode_s"] > 0])
-    out["prefill_samples"] = [s["prefill_tokens"] / s["prefill_s"] for s in samples]
-    out["decode_samples"] = [f / s["decode_s"] for f, s in zip(dec_forwards, samples) if s["decode_s"] > 0]
+    rates = [colibri_rates(s) for s in samples]
+    out["prefill_samples"] = [p for p, _ in rates]
+    out["decode_samples"] = [d for _, d in rates if d is not None]
+    out["prefill_tok_s"] = median(out["prefill_samples"])
+    out["decode_tok_s"] = median(out["decode_samples"])
     out["decode_tokens"] = samples[-1]["decode_tokens"]
     out["tokens"] = samples[-1]["tokens"]
     out["peak_rss_bytes"] = max(s["peak_rss_bytes"] for s in samples)
@@ -904,7 +1004,11 @@ def gguf_type_summary(path: str) -> str:
 
 def find_llama_src(work: str) -> str:
     """The llama.cpp tree vendored in the llama-cpp-python sdist (downloaded and unpacked into
-    ``work`` with pip when not there yet); raises RuntimeError when it cannot be had."""
+    ``work`` with pip when not there yet); raises RuntimeError when it cannot be had.
+
+    The whole vendor/llama.cpp is unpacked, its own vendor/ (nlohmann json, cpp-httplib, ...)
+    included: the converter needs only the Python files, building llama-bench needs the rest.
+    """
     try:
         from importlib.metadata import version
         ver = version("llama-cpp-python")
@@ -918,28 +1022,31 @@ def find_llama_src(work: str) -> str:
             if ver and not n.endswith(ver):
                 continue
             p = os.path.join(root, n, "vendor", "llama.cpp")
-            if os.path.exists(os.path.join(p, "convert_hf_to_gguf.py")):
+            if (os.path.exists(os.path.join(p, "convert_hf_to_gguf.py"))
+                    and os.path.exists(os.path.join(p, "vendor", "CMakeLists.txt"))):
                 return p
         return None
+
+    def sdists():
+        return [n for n in os.listdir(root) if n.endswith(".tar.gz") and (not ver or n.endswith(f"-{ver}.tar.gz"))]
 
     p = vendored()
     if p:
         return p
-    spec = f"llama-cpp-python=={ver}" if ver else "llama-cpp-python"
-    r = _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
-              "-d", root, spec], what="pip download (llama-cpp-python sdist)", timeout=1800)
-    if r.returncode != 0:
-        raise RuntimeError("pip download llama-cpp-python: " + last_error_line(r.stderr + r.stdout))
-    for n in os.listdir(root):
-        if n.endswith(".tar.gz"):
-            with tarfile.open(os.path.join(root, n)) as tf:
-                members = [m for m in tf.getmembers()
-                           if "/vendor/llama.cpp/" in m.name and "/vendor/llama.cpp/vendor/" not in m.name
-                           or m.name.endswith("/vendor/llama.cpp")]
-                tf.extractall(root, members=members, filter="data")
+    if not sdists():
+        spec = f"llama-cpp-python=={ver}" if ver else "llama-cpp-python"
+        r = _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+                  "-d", root, spec], what="pip download (llama-cpp-python sdist)", timeout=1800)
+        if r.returncode != 0:
+            raise RuntimeError("pip download llama-cpp-python: " + last_error_line(r.stderr + r.stdout))
+    for n in sdists():
+        with tarfile.open(os.path.join(root, n)) as tf:
+            members = [m for m in tf.getmembers()
+                       if "/vendor/llama.cpp/" in m.name or m.name.endswith("/vendor/llama.cpp")]
+            tf.extractall(root, members=members, filter="data")
     p = vendored()
     if not p:
-        raise RuntimeError(f"no vendor/llama.cpp/convert_hf_to_gguf.py in the sdist under {root}")
+        raise RuntimeError(f"no vendor/llama.cpp (convert_hf_to_gguf.py, vendor/) in the sdist under {root}")
     return p
 
 
@@ -994,11 +1101,24 @@ def quantize_worker(src: str, dst: str, qtype: str, threads: int) -> dict:
 
 
 def llama_worker(gguf: str, prompt: List[int], n_tokens: int, runs: int, threads: int,
-                 quiet_wait: float = 0.0, retries: int = 0) -> dict:
+                 quiet_wait: float = 0.0, retries: int = 0, extra_bufts: bool = True) -> dict:
+    """The Python loop through llama-cpp-python.  ``extra_bufts=False`` loads the model with
+    ``use_extra_bufts=False`` (no repacked/AMX weight buffers; Llama() has no argument for it,
+    so llama_model_default_params is wrapped while the model loads)."""
     import numpy as np
     import llama_cpp
+    import llama_cpp.llama_cpp as lcpp
     from llama_cpp import Llama
 
+    if not extra_bufts:
+        default_params = lcpp.llama_model_default_params
+
+        def no_extra_bufts():
+            params = default_params()
+            params.use_extra_bufts = False
+            return params
+
+        lcpp.llama_model_default_params = no_extra_bufts
     t = time.perf_counter()
     llm = Llama(model_path=gguf, n_ctx=max(256, len(prompt) + n_tokens + 16), n_batch=512,
                 n_threads=threads, n_threads_batch=threads, seed=0, verbose=True)
@@ -1030,14 +1150,342 @@ def llama_worker(gguf: str, prompt: List[int], n_tokens: int, runs: int, threads
     return {"prefill_tok_s": median(prefill), "decode_tok_s": median(decode),
             "prefill_samples": prefill, "decode_samples": decode, "tokens": tokens, **got,
             "decode_tokens": len(tokens or []), "load_s": load_s, "peak_rss_bytes": peak_rss_self(),
-            "llama_cpp_python": getattr(llama_cpp, "__version__", None)}
+            "llama_cpp_python": getattr(llama_cpp, "__version__", None), "use_extra_bufts": extra_bufts}
+
+
+# ---------------------------------------------------------------------------------------------
+# llama-bench: llama.cpp's own benchmark, built from the same vendored tree
+
+
+#: GCC flags that take AMX out of a -march=native build (an explicit -mno-X beats the ISA that
+#: -march implies, wherever it stands on the command line).  ggml's GGML_AMX_TILE/INT8/BF16
+#: options are only read when GGML_NATIVE is OFF, so under GGML_NATIVE=ON they cannot do it.
+NO_AMX_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+#: The parts of the llama.cpp tree that go into the llama-bench binary (the build fingerprint).
+LLAMA_BUILD_INPUTS = ("CMakeLists.txt", "cmake", "common", "ggml", "include", "src", "vendor",
+                      os.path.join("tools", "llama-bench"), os.path.join("tools", "CMakeLists.txt"))
+
+
+def llama_bench_cmake_args(src: str, build: str, amx_cpu: bool) -> List[str]:
+    """cmake configure arguments for llama-bench: Release, GGML_NATIVE=ON like the bench's
+    llama-cpp-python build, tests/examples/server off; on a CPU with AMX the AMX kernels are
+    compiled out (their repacked Q4_0/Q8_0 buffers make context creation abort with
+    ``GGML_ASSERT(*cur_backend_id != -1)``)."""
+    args = ["-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+    if amx_cpu:
+        args += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+                 f"-DCMAKE_C_FLAGS={NO_AMX_CFLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_CFLAGS}"]
+    return args
+
+
+def tree_fingerprint(src: str, parts: Sequence[str] = LLAMA_BUILD_INPUTS) -> str:
+    """sha1 over (path, size, mtime) of every file under ``parts`` of ``src``: changes whenever
+    a source file that the build reads is added, removed or modified."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for part in parts:
+        top = os.path.join(src, part)
+        if os.path.isfile(top):
+            paths = [top]
+        else:
+            paths = sorted(os.path.join(d, n) for d, _, ns in os.walk(top) for n in ns)
+        for path in paths:
+            st = os.stat(path)
+            h.update(f"{os.path.relpath(path, src)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def build_error_line(text: str) -> str:
+    """The line that says why a cmake configure/build failed: the last compiler ``error:`` line,
+    or the last ``CMake Error at ...:`` line with the first line of its message (make's closing
+    'Error 2' lines say nothing); else the last line."""
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        ln = lines[i]
+        if re.search(r"\berror\b", ln, re.I) and not re.search(r"(make|ninja).*(\*\*\*|Error \d|failed)", ln, re.I):
+            if ln.startswith("CMake Error") and ln.endswith(":") and i + 1 < len(lines):
+                return ln + " " + lines[i + 1]
+            return ln
+    return last_error_line(text)
+
+
+def lib_has_amx(lib: Optional[str]) -> Optional[bool]:
+    """Whether a built libggml-cpu has its AMX kernels (ggml_cpu_has_amx_int8(), asked in a
+    subprocess); None when the library is missing or cannot be loaded."""
+    if not lib or not os.path.exists(lib):
+        return None
+    r = subprocess.run([sys.executable, "-c", "import ctypes, sys; "
+                        "print(ctypes.CDLL(sys.argv[1]).ggml_cpu_has_amx_int8())", lib],
+                       capture_output=True, text=True, timeout=60)
+    return bool(int(r.stdout.strip())) if r.returncode == 0 and r.stdout.strip() in ("0", "1") else None
+
+
+def _find_lib(top: str, name: str = "libggml-cpu.so") -> Optional[str]:
+    for d, _, ns in os.walk(top):
+        if name in ns:
+            return os.path.join(d, name)
+    return None
+
+
+def llama_cpp_python_lib() -> Optional[str]:
+    """The libggml-cpu.so that llama-cpp-python loads (None if not installed as a shared lib)."""
+    try:
+        import importlib.util
+        spec = importlib.util.find_spec("llama_cpp")
+    except Exception:
+        return None
+    if spec is None or not spec.origin:
+        return None
+    return _find_lib(os.path.dirname(spec.origin))
+
+
+def ensure_llama_bench(llama_src: str, work: str, amx_cpu: bool, timeout: int) -> dict:
+    """Build llama-bench from ``llama_src`` into WORK/llama-bench-build (only that target),
+    reused while the source tree and the configure arguments are unchanged.
+
+    Returns {'binary', 'cmake_args', 'reused', 'amx_compiled', 'repack_off', 'amx_note'} or
+    {'error'}.  On a CPU with AMX the build leaves AMX out; if the library still reports AMX
+    kernels (another compiler), llama-bench runs with ``--repack 0`` instead.
+    """
+    build = os.path.join(work, "llama-bench-build")
+    args = llama_bench_cmake_args(llama_src, build, amx_cpu)
+    want = {"fingerprint": tree_fingerprint(llama_src), "cmake_args": args}
+    stamp = os.path.join(build, "colibri_bench_build.json")
+    binary = os.path.join(build, "bin", "llama-bench")
+    out = {"binary": binary, "cmake_args": args, "src": llama_src}
+    try:
+        with open(stamp) as f:
+            have = json.load(f)
+    except (OSError, ValueError):
+        have = None
+    out["reused"] = have == want and os.path.exists(binary)
+    if not out["reused"]:
+        if not shutil.which("cmake"):
+            return {"error": "llama-bench build: cmake not found"}
+        shutil.rmtree(build, ignore_errors=True)
+        r = _run(["cmake", *args], timeout=timeout, what="cmake configure (llama-bench)")
+        if r.returncode != 0:
+            return {"error": "llama-bench cmake configure: " + build_error_line(r.stdout + "\n" + r.stderr)}
+        r = _run(["cmake", "--build", build, "--target", "llama-bench", "-j2"], timeout=timeout,
+                 what="cmake --build --target llama-bench")
+        if r.returncode != 0 or not os.path.exists(binary):
+            return {"error": "llama-bench build: " + build_error_line(r.stdout + "\n" + r.stderr)}
+        with open(stamp, "w") as f:
+            json.dump(want, f, indent=1)
+    out["amx_compiled"] = lib_has_amx(_find_lib(build))
+    out["repack_off"] = amx_cpu and out["amx_compiled"] is not False
+    out["amx_note"] = amx_note(amx_cpu, out["amx_compiled"], out["repack_off"])
+    return out
+
+
+def amx_note(amx_cpu: bool, amx_compiled: Optional[bool], repack_off: bool) -> str:
+    """How a llama.cpp build avoids the AMX abort, in a few words for the table."""
+    if not amx_cpu:
+        return "CPU without AMX"
+    if repack_off:
+        return "AMX CPU: --repack 0" + (" (AMX still compiled in)" if amx_compiled else "")
+    return f"AMX CPU: built with AMX off ({NO_AMX_CFLAGS})"
+
+
+def llama_bench_cmd(binary: str, gguf: str, threads: int, prompt_lens: Sequence[int], n_gen: int,
+                    runs: int, repack_off: bool = False) -> List[str]:
+    cmd = [binary, "-m", gguf, "-t", str(threads), "-p", ",".join(str(n) for n in prompt_lens),
+           "-n", str(n_gen), "-r", str(runs), "-o", "json"]
+    return cmd + (["--repack", "0"] if repack_off else [])
+
+
+def _test_key(t: dict) -> str:
+    """llama-bench's test name: pp512, tg64, pp512+tg64; '@dN' at context depth N."""
+    p, g, d = int(t.get("n_prompt") or 0), int(t.get("n_gen") or 0), int(t.get("n_depth") or 0)
+    key = "+".join(x for x in ((f"pp{p}" if p else ""), (f"tg{g}" if g else "")) if x)
+    return key + (f" @ d{d}" if d else "")
+
+
+def parse_llama_bench_json(text: str) -> dict:
+    """llama-bench ``-o json`` output -> {'tests': {'pp32': {'avg_ts', 'stddev_ts', 'samples_ts'},
+    ...}, 'meta': {build, CPU, threads, batch sizes, repack, flash attention, model}}.
+
+    Raises ValueError when the text holds no llama-bench JSON array."""
+    start = text.find("[")
+    if start < 0:
+        raise ValueError("no JSON array in llama-bench's output")
+    data = json.loads(text[start:text.rindex("]") + 1])
+    if not isinstance(data, list) or not data or not all(isinstance(t, dict) and "avg_ts" in t for t in data):
+        raise ValueError("llama-bench's JSON has no test results")
+    tests = OrderedDict()
+    for t in data:
+        n_tok = int(t.get("n_prompt") or 0) + int(t.get("n_gen") or 0)
+        # tok/s per repetition from the exact nanoseconds (samples_ts is printed to 3 decimals)
+        samples = ([n_tok * 1e9 / float(ns) for ns in t["samples_ns"]] if t.get("samples_ns") and n_tok
+                   else [float(x) for x in t.get("samples_ts") or []])
+        tests[_test_key(t)] = {"avg_ts": float(t["avg_ts"]), "stddev_ts": float(t.get("stddev_ts") or 0.0),
+                               "samples_ts": samples,
+                               "n_prompt": int(t.get("n_prompt") or 0), "n_gen": int(t.get("n_gen") or 0)}
+    meta_keys = ("build_commit", "build_number", "cpu_info", "backends", "model_type", "model_size",
+                 "n_threads", "n_batch", "n_ubatch", "flash_attn", "repack", "type_k", "type_v")
+    meta = {k: data[0][k] for k in meta_keys if k in data[0]}
+    return {"tests": tests, "meta": meta}
+
+
+def llama_bench_row(parsed: dict, prompt_len: int, n_gen: int) -> dict:
+    """The bench-table fields of a parsed llama-bench run: prefill = pp<prompt_len>, decode =
+    tg<n_gen> (avg over its repetitions), their samples for the spread table."""
+    tests = parsed["tests"]
+    pp, tg = tests.get(f"pp{prompt_len}"), tests.get(f"tg{n_gen}")
+    return {"prefill_tok_s": pp["avg_ts"] if pp else None, "decode_tok_s": tg["avg_ts"] if tg else None,
+            "prefill_samples": pp["samples_ts"] if pp else [], "decode_samples": tg["samples_ts"] if tg else [],
+            "llama_bench": parsed}
+
+
+def ts_stats(samples: Sequence[float]) -> dict:
+    """{'avg_ts', 'stddev_ts', 'samples_ts'} of tok/s samples, with llama-bench's statistics (the
+    mean; the sample standard deviation, n - 1, 0 for a single sample)."""
+    xs = [float(x) for x in samples]
+    return {"avg_ts": statistics.fmean(xs) if xs else None,
+            "stddev_ts": statistics.stdev(xs) if len(xs) > 1 else 0.0, "samples_ts": xs}
+
+
+def merge_llama_bench(parsed_runs: Sequence[dict]) -> dict:
+    """Several parsed llama-bench runs (one per interleaved round) as one: each test's samples
+    pooled, avg and stddev recomputed as llama-bench computes them; the first run's meta."""
+    tests: Dict[str, dict] = OrderedDict()
+    for parsed in parsed_runs:
+        for key, t in parsed["tests"].items():
+            got = tests.setdefault(key, {"samples_ts": [], "n_prompt": t["n_prompt"], "n_gen": t["n_gen"]})
+            got["samples_ts"].extend(t["samples_ts"])
+    for t in tests.values():
+        t.update(ts_stats(t["samples_ts"]))
+    return {"tests": tests, "meta": dict(parsed_runs[0]["meta"]) if parsed_runs else {},
+            "invocations": len(parsed_runs)}
+
+
+def llama_bench_once(build: dict, gguf: str, threads: int, lens: Sequence[int], n_gen: int,
+                     timeout: int) -> dict:
+    """One llama-bench invocation, -r 1 (after its own warm-up): parsed JSON or {'error'}."""
+    cmd = llama_bench_cmd(build["binary"], gguf, threads, lens, n_gen, 1, build.get("repack_off", False))
+    r = _run(cmd, env=dict(os.environ, OMP_NUM_THREADS=str(threads)), timeout=timeout,
+             what=f"llama-bench {os.path.basename(gguf)}")
+    if r.returncode != 0:
+        return {"error": "llama-bench: " + last_error_line(r.stderr + "\n" + r.stdout) + f" (exit {r.returncode})"}
+    try:
+        return parse_llama_bench_json(r.stdout)
+    except ValueError as e:
+        return {"error": f"llama-bench: {e}: " + last_error_line(r.stderr + "\n" + r.stdout)}
+
+
+def run_engine_rounds(container: Optional[str], lb_rows: List[dict], build: dict, prompt: List[int],
+                      long_prompt: List[int], args, work: str) -> dict:
+    """colibri (every expert cached) and llama-bench on each GGUF, interleaved: ``--runs`` rounds,
+    each one colibri process with the bench prompt (-> ppP, tgN), one with the long prompt
+    (-> ppL) and one llama-bench -r 1 per GGUF, the order reversed every other round.  A round
+    during which other processes took >= DISTURBED of the CPUs in any of its measurements is
+    discarded (up to ``--retries`` extra rounds).  Fills ``lb_rows`` with llama-bench's figures
+    (samples pooled over the rounds); returns colibri's figures and the per-round record."""
+    P, L, N = len(prompt), len(long_prompt), args.tokens
+    lens = [P] + ([L] if L and L != P else [])
+    out = {"engine": "engine-only rounds", "weights": "colibri + llama-bench", "rounds": [], "gates": []}
+    errors: Dict[str, str] = {}
+
+    def colibri_steps():
+        if not container:
+            return []
+        steps = [("colibri", lambda: colibri_once(container, prompt, N, 0, args.threads, work,
+                                                  what="colibri (engine-only round)"))]
+        if L:
+            steps.append(("colibri long", lambda: colibri_once(container, long_prompt, 2, 0, args.threads, work,
+                                                               what=f"colibri {L}-token prompt (engine-only round)")))
+        return steps
+
+    lb_steps = [(r["weights"], (lambda g=r["gguf"]: llama_bench_once(build, g, args.threads, lens, N, args.timeout)))
+                for r in lb_rows]
+    for name, step in colibri_steps():  # warm-up: page cache, first-process costs
+        got = step()
+        if "error" in got:
+            errors[name] = got["error"]
+    clean, dirty = [], []
+    attempts = 0
+    while len(clean) < args.runs and attempts < args.runs + args.retries:
+        steps = [(n, f) for n, f in colibri_steps() + lb_steps if n not in errors]
+        if not steps:
+            break
+        if attempts % 2:
+            steps.reverse()
+        attempts += 1
+        if args.quiet_wait > 0:
+            out["gates"].append(wait_quiet(args.quiet_wait))
+        rnd = {"order": [n for n, _ in steps], "others": {}, "results": {}}
+        for name, step in steps:
+            with OtherLoad("children") as ol:
+                got = step()
+            if "error" in got:
+                errors[name] = got["error"]
+                continue
+            rnd["others"][name] = ol.fraction
+            rnd["results"][name] = got
+        rnd["clean"] = all(f is None or f < DISTURBED for f in rnd["others"].values())
+        (clean if rnd["clean"] else dirty).append(rnd)
+        out["rounds"].append({k: v for k, v in rnd.items() if k != "results"})
+    kept = clean if clean else dirty
+    out.update(clean=bool(clean), disturbed=len(dirty), rounds_kept=len(kept), others=[f for r in out["rounds"] for f in r["others"].values()])
+    col = {}
+    if container and "colibri" not in errors:
+        rates = [colibri_rates(r["results"]["colibri"]) for r in kept if "colibri" in r["results"]]
+        col[f"pp{P}"] = ts_stats([p for p, _ in rates])
+        col[f"tg{N}"] = ts_stats([d for _, d in rates if d is not None])
+    if container and L and "colibri long" not in errors:
+        col[f"pp{L}"] = ts_stats([colibri_rates(r["results"]["colibri long"])[0] for r in kept
+                                  if "colibri long" in r["results"]])
+    out["colibri"] = col
+    out["errors"] = errors
+    for row in lb_rows:
+        name = row["weights"]
+        if name in errors:
+            row["error"] = errors[name]
+            continue
+        merged = merge_llama_bench([r["results"][name] for r in kept if name in r["results"]])
+        row.update(llama_bench_row(merged, P, N))
+        row["command"] = " ".join(llama_bench_cmd(build["binary"], row["gguf"], args.threads, lens, N, 1,
+                                                  build.get("repack_off", False)))
+        row["note"] = llama_bench_note(merged, L, build.get("amx_note", ""))
+        for key in (f"pp{P}", f"tg{N}", f"pp{L}"):
+            c, t = col.get(key), merged["tests"].get(key)
+            ratios = [colibri_over_round(r, name, key, P, N, L) for r in kept]
+            ratios = [x for x in ratios if x is not None]
+            if c and t and ratios:
+                row.setdefault("round_ratios", {})[key] = ratios
+    return out
+
+
+def colibri_over_round(rnd: dict, name: str, key: str, P: int, N: int, L: int) -> Optional[float]:
+    """colibri ÷ llama-bench (GGUF ``name``) for test ``key`` within one round."""
+    res = rnd.get("results", {})
+    lb = res.get(name, {}).get("tests", {}).get(key)
+    src = res.get("colibri long" if key == f"pp{L}" and L != P else "colibri")
+    if not lb or not src or not lb["samples_ts"]:
+        return None
+    pre, dec = colibri_rates(src)
+    mine = dec if key == f"tg{N}" else pre
+    return None if mine is None else mine / statistics.fmean(lb["samples_ts"])
+
+
+LCP = "llama.cpp (llama-cpp-python)"   # the Python loop: eval() per token through the bindings
+LB = "llama.cpp (llama-bench)"          # llama.cpp's own C++ benchmark, engine only
 
 
 def run_llama_suite(model_dir: str, work: str, prompt, n_tokens, runs, threads, timeout,
-                    notes: List[str], quiet_wait: float = 0.0, retries: int = 0) -> List[dict]:
-    """Convert (pad -> f32 GGUF -> Q4_0/Q8_0) and measure; failures become error rows."""
+                    notes: List[str], quiet_wait: float = 0.0, retries: int = 0, llama_bench: bool = True,
+                    amx_cpu: bool = False, info: Optional[dict] = None) -> List[dict]:
+    """Convert (pad -> f32 GGUF -> Q4_0/Q8_0), build llama-bench from the same llama.cpp tree and
+    measure the llama-cpp-python loop on each GGUF; failures become error rows.  The llama-bench
+    rows get their GGUF ('gguf') here and their figures in run_engine_rounds.  ``info`` (if
+    given) receives the llama-bench build record."""
     quants = [("q4_0", "Q4_0"), ("q8_0", "Q8_0")]
-    rows = [{"engine": "llama.cpp", "weights": label, "cached": "all"} for _, label in quants]
+    engines = (LCP, LB) if llama_bench else (LCP,)
+    rows = [{"engine": e, "weights": label, "cached": "all"} for _, label in quants for e in engines]
+    info = {} if info is None else info
 
     def fail_all(msg):
         for r in rows:
@@ -1056,9 +1504,9 @@ def run_llama_suite(model_dir: str, work: str, prompt, n_tokens, runs, threads, 
         r = _run([sys.executable, os.path.abspath(__file__), "--worker", "pad", "--model", model_dir,
                   "--out", src], timeout=timeout,
                  what=f"padding the indexer to head dim {LLAMA_INDEXER_HEAD_DIM}")
-        info = worker_result(r)
-        if "error" in info:
-            return fail_all("indexer padding: " + info["error"])
+        res = worker_result(r)
+        if "error" in res:
+            return fail_all("indexer padding: " + res["error"])
     try:
         llama_src = find_llama_src(work)
     except Exception as e:
@@ -1076,7 +1524,23 @@ def run_llama_suite(model_dir: str, work: str, prompt, n_tokens, runs, threads, 
                  "its own `_set_vocab_none`, the fixture has no tokenizer) then llama_model_quantize; "
                  f"indexer zero-padded to head dim {LLAMA_INDEXER_HEAD_DIM} (output-neutral while the "
                  "context <= index_topk).")
-    for (q, label), row in zip(quants, rows):
+    # llama-cpp-python's own libggml-cpu was built with -march=native: on an AMX CPU its AMX
+    # buffers abort Q4_0/Q8_0 context creation, so it loads without extra buffer types there.
+    lcp_amx = lib_has_amx(llama_cpp_python_lib())
+    lcp_extra_bufts = not (amx_cpu and lcp_amx is not False)
+    info["llama_cpp_python_amx_compiled"] = lcp_amx
+    info["llama_cpp_python_use_extra_bufts"] = lcp_extra_bufts
+    build = None
+    if llama_bench:
+        build = ensure_llama_bench(llama_src, work, amx_cpu, timeout)
+        info.update(build)
+        if "error" in build:
+            for r in rows:
+                if r["engine"] == LB:
+                    r["error"] = build["error"]
+    for q, label in quants:
+        lcp_row, lb_row = (next((r for r in rows if r["engine"] == e and r["weights"] == label), None)
+                           for e in (LCP, LB))
         dst = os.path.join(gdir, f"bench-{label}.gguf")
         if not _newer(dst, f32):
             tool = shutil.which("llama-quantize")
@@ -1088,21 +1552,34 @@ def run_llama_suite(model_dir: str, work: str, prompt, n_tokens, runs, threads, 
                           "--out", dst + ".tmp", "--outtype", q, "--threads", str(threads)],
                          timeout=timeout, what=f"llama_model_quantize {label}")
             if r.returncode != 0 or not os.path.exists(dst + ".tmp"):
-                row["error"] = f"quantize {label}: " + last_error_line(r.stderr + r.stdout)
+                for row in (lcp_row, lb_row):
+                    if row is not None:
+                        row.setdefault("error", f"quantize {label}: " + last_error_line(r.stderr + r.stdout))
                 continue
             os.replace(dst + ".tmp", dst)
-        row["size_bytes"] = os.path.getsize(dst)
-        row["note"] = gguf_type_summary(dst)
+        types = gguf_type_summary(dst)
+        lcp_row["size_bytes"] = os.path.getsize(dst)
+        lcp_row["note"] = types + ("" if lcp_extra_bufts else "; use_extra_bufts=False (AMX CPU)")
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         r = _run([sys.executable, os.path.abspath(__file__), "--worker", "llama", "--model", dst,
                   "--prompt-ids", ",".join(map(str, prompt)), "--tokens", str(n_tokens),
                   "--runs", str(runs), "--threads", str(threads), "--quiet-wait", str(quiet_wait),
-                  "--retries", str(retries)], env=env, timeout=timeout, what=f"llama.cpp {label}")
+                  "--retries", str(retries)] + ([] if lcp_extra_bufts else ["--no-extra-bufts"]),
+                 env=env, timeout=timeout, what=f"llama-cpp-python {label}")
         res = worker_result(r)
         if "error" in res:
-            res["error"] = f"llama.cpp {label}: " + res["error"]
-        row.update(res)
+            res["error"] = f"llama-cpp-python {label}: " + res["error"]
+        lcp_row.update(res)
+        if lb_row is not None and not lb_row.get("error"):
+            lb_row["size_bytes"] = os.path.getsize(dst)
+            lb_row["gguf"] = dst  # measured in the engine-only rounds, interleaved with colibri
     return rows
+
+
+def llama_bench_note(parsed: dict, long_prompt: int, amx: str) -> str:
+    """The main table's note of a llama-bench row: the long-prompt figure and the AMX handling."""
+    t = parsed["tests"].get(f"pp{long_prompt}")
+    return ((f"pp{long_prompt} {fmt_num(t['avg_ts'])} ± {fmt_num(t['stddev_ts'])} tok/s; " if t else "") + amx)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1138,6 +1615,30 @@ def agreement(a: Optional[List[int]], b: Optional[List[int]]) -> Optional[int]:
     return n
 
 
+def llama_bench_method_note(info: dict, rows: List[dict], args) -> str:
+    """The report's note on how llama-bench was built and run (``info``: run_llama_suite's record)."""
+    lens = f"{args.prompt_len}" + (f",{args.long_prompt}" if args.long_prompt else "")
+    meta = next((r["llama_bench"]["meta"] for r in rows if r.get("llama_bench")), {})
+    ver = os.path.basename(os.path.dirname(os.path.dirname(info["src"]))) if info.get("src") else "the"
+    built = ("built earlier (same source and flags) " if info.get("reused") else "built ") + \
+        f"from the llama.cpp tree vendored in the {ver} sdist" + \
+        (f" (llama.cpp build {meta.get('build_number')}, commit {meta.get('build_commit')})" if meta else "")
+    knobs = (f"; its defaults: n_batch {meta.get('n_batch')}, n_ubatch {meta.get('n_ubatch')}, flash_attn "
+             f"{meta.get('flash_attn')} (-1 = auto), repack {str(meta.get('repack')).lower()}") if meta else ""
+    return (f"llama-bench: `llama-bench -m GGUF -t {args.threads} -p {lens} -n {args.tokens} -r 1 -o json`"
+            + (" --repack 0" if info.get("repack_off") else "")
+            + f" once per round, {built}, cmake -DGGML_NATIVE=ON Release, target llama-bench only; "
+            + (info.get("amx_note") or "") + knobs + ". Each round runs colibri (all experts cached: the "
+            f"{args.prompt_len}-token prompt and {args.tokens} tokens, then a {args.long_prompt}-token prompt) and "
+            "llama-bench on each GGUF, the order reversed every other round; llama-bench's figures pool its "
+            "samples over the rounds with its own statistics (mean, sample stddev). ppN = an N-token prompt in "
+            "one batch, tgN = N single-token decodes, both from an empty context, no sampling (the engine "
+            "alone, no Python); colibri's tgN is its decode tok/s after the prompt. llama-cpp-python rows: the "
+            "Python loop, one eval() per token, logits read back each step."
+            + ("" if info.get("llama_cpp_python_use_extra_bufts", True)
+               else " On this AMX CPU llama-cpp-python loads with use_extra_bufts=False."))
+
+
 def run_bench(args) -> dict:
     work = os.path.abspath(args.work)
     os.makedirs(work, exist_ok=True)
@@ -1147,7 +1648,8 @@ def run_bench(args) -> dict:
     res["machine"]["loadavg_start"] = _loadavg()
     res["machine"]["nice"] = os.nice(0)
     res["params"] = {"runs": args.runs, "tokens": args.tokens, "prompt_len": args.prompt_len,
-                     "threads": args.threads, "model": model_dir, "work": work}
+                     "threads": args.threads, "model": model_dir, "work": work,
+                     "long_prompt": args.long_prompt}
     fixture = ensure_fixture(model_dir)
     res["fixture"] = fixture
     vocab = fixture["config_summary"]["vocab_size"]
@@ -1208,8 +1710,17 @@ def run_bench(args) -> dict:
                 row["note"] = "eager attention, generate()"
             rows.append(row)
     if not args.skip_llama:
-        rows.extend(run_llama_suite(model_dir, work, prompt, args.tokens, args.runs, args.threads,
-                                    args.timeout, res["notes"], args.quiet_wait, args.retries))
+        llama_rows = run_llama_suite(model_dir, work, prompt, args.tokens, args.runs, args.threads,
+                                     args.timeout, res["notes"], args.quiet_wait, args.retries,
+                                     llama_bench=not args.skip_llama_bench,
+                                     amx_cpu=bool(res["machine"].get("amx")), info=res.setdefault("llama", {}))
+        rows.extend(llama_rows)
+    lb_rows = [r for r in rows if r.get("engine") == LB and r.get("gguf") and not r.get("error")]
+    if lb_rows or (args.long_prompt > 0 and not err):
+        res["engine_rounds"] = run_engine_rounds(None if err else int4, lb_rows, res.get("llama") or {}, prompt,
+                                                 bench_prompt(args.long_prompt, vocab), args, work)
+    if not args.skip_llama and not args.skip_llama_bench:
+        res["notes"].append(llama_bench_method_note(res["llama"], rows, args))
 
     ref_tokens = next((r.get("tokens") for r in rows if r.get("engine") == "HF transformers"
                        and r.get("weights") == "f32" and r.get("tokens")), None)
@@ -1218,16 +1729,17 @@ def run_bench(args) -> dict:
             if r.get("tokens"):
                 r["greedy_prefix_vs_hf_f32"] = agreement(r["tokens"], ref_tokens)
     res["rows"] = rows
-    gates = [g for r in rows for g in (r.get("gates") or [])]
+    measured = rows + ([res["engine_rounds"]] if res.get("engine_rounds") else [])
+    gates = [g for r in measured for g in (r.get("gates") or [])]
     if args.quiet_wait > 0 and gates:
         busy = [g for g in gates if not g["quiet"]]
         res["notes"].append(
             f"before each of the {len(gates)} measured runs the bench waited for the other processes to use "
             f"< 25% of the CPUs (up to {args.quiet_wait:.0f} s; {sum(g['waited_s'] for g in gates):.0f} s "
             f"waited in all); {len(busy)} run(s) started on a busy machine anyway.")
-    n_dist = sum(r.get("disturbed") or 0 for r in rows)
+    n_dist = sum(r.get("disturbed") or 0 for r in measured)
     unclean = [f"{r['engine']} {r['weights']}" + (f" ({r['cached']} cached)" if r["engine"] == "colibri" else "")
-               for r in rows if r.get("clean") is False]
+               for r in measured if r.get("clean") is False]
     res["notes"].append(
         f"runs during which other processes used >= {int(DISTURBED * 100)}% of the CPUs were discarded and "
         f"retried (up to {args.retries} extra runs per configuration): {n_dist} discarded"
@@ -1257,7 +1769,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt length in tokens")
     ap.add_argument("--threads", type=int, default=2, help="threads for every engine (default 2)")
     ap.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
-    ap.add_argument("--skip-llama", action="store_true", help="leave out llama.cpp")
+    ap.add_argument("--skip-llama", action="store_true",
+                    help="leave out llama.cpp (llama-cpp-python and llama-bench)")
+    ap.add_argument("--skip-llama-bench", action="store_true",
+                    help="leave out llama-bench (no cmake build); the llama-cpp-python rows stay")
+    ap.add_argument("--long-prompt", type=int, default=512, metavar="N",
+                    help="second prefill length: colibri (all experts cached) and llama-bench's ppN "
+                         "(default 512; 0 = leave out)")
     ap.add_argument("--skip-draft", action="store_true",
                     help="leave out the --draft auto vs --draft 0 check (fixture with a random MTP head)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
@@ -1276,6 +1794,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--outtype", default="f32", help=argparse.SUPPRESS)
     ap.add_argument("--llama-src", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--no-extra-bufts", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 
@@ -1286,7 +1805,7 @@ def worker_main(args) -> int:
                                      args.quiet_wait, args.retries))
     elif args.worker == "llama":
         emit_worker_result(llama_worker(args.model, ids, args.tokens, args.runs, args.threads,
-                                        args.quiet_wait, args.retries))
+                                        args.quiet_wait, args.retries, extra_bufts=not args.no_extra_bufts))
     elif args.worker == "gguf-convert":
         gguf_convert_worker(args.llama_src, args.model, args.out, args.outtype)
     elif args.worker == "pad":
@@ -1304,6 +1823,8 @@ def main(argv=None) -> int:
         return worker_main(args)
     if args.runs < 1 or args.tokens < 2 or args.prompt_len < 1:
         raise SystemExit("bench: --runs >= 1, --tokens >= 2 and --prompt-len >= 1 are required")
+    if args.long_prompt < 0:
+        raise SystemExit("bench: --long-prompt must be >= 0 (0 = leave the long prefill out)")
     res = run_bench(args)
     text = render_report(res)
     sys.stdout.write(text)

@@ -179,3 +179,315 @@ def test_small_helpers():
           "ValueError: Failed to load model from file: m.gguf\n"
     assert bench.last_error_line(out).startswith("llama_model_load: error loading model")
     assert bench.last_error_line("a\nNotImplementedError: nope\n\n") == "NotImplementedError: nope"
+
+
+# ---------------------------------------------------------------------------------------------
+# llama-bench: build arguments, AMX detection, JSON parsing, report rows (nothing is built here)
+
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+SPR_FLAGS = ("fpu vme sse2 avx2 avx512f avx512_vnni avx512_bf16 amx_bf16 avx512_fp16 amx_tile amx_int8 "
+             "arch_capabilities")
+EPYC_FLAGS = "fpu vme sse2 avx2 avx512f avx512_vnni avx512_bf16 avx512vbmi"
+
+
+def test_amx_detection_from_cpuinfo():
+    cpuinfo = (f"processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: {SPR_FLAGS}\n\n"
+               f"processor\t: 1\nflags\t\t: {EPYC_FLAGS}\n")
+    flags = bench.cpu_flags(cpuinfo)
+    assert flags[:2] == ["fpu", "vme"] and "amx_int8" in flags   # the first processor's line
+    assert bench.amx_flags(flags) == ["amx_bf16", "amx_int8", "amx_tile"]
+    assert bench.amx_flags(EPYC_FLAGS.split()) == []
+    assert bench.cpu_flags("processor\t: 0\nmodel name\t: ARM\n") == []
+    assert isinstance(bench.machine_info()["amx"], list)
+
+
+def test_llama_bench_cmake_args():
+    plain = bench.llama_bench_cmake_args("/src", "/build", amx_cpu=False)
+    assert plain[:4] == ["-S", "/src", "-B", "/build"]
+    assert "-DGGML_NATIVE=ON" in plain and "-DCMAKE_BUILD_TYPE=Release" in plain
+    assert not any("amx" in a.lower() for a in plain)
+    amx = bench.llama_bench_cmake_args("/src", "/build", amx_cpu=True)
+    assert amx[: len(plain)] == plain
+    assert "-DGGML_AMX_INT8=OFF" in amx and "-DGGML_AMX_TILE=OFF" in amx and "-DGGML_AMX_BF16=OFF" in amx
+    for lang in ("C", "CXX"):
+        flags = next(a for a in amx if a.startswith(f"-DCMAKE_{lang}_FLAGS="))
+        assert set(flags.split("=", 1)[1].split()) == {"-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"}
+
+
+def _gcc_macros(*flags):
+    r = subprocess.run(["gcc", *flags, "-dM", "-E", "-"], input="", capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_no_amx_flags_beat_march():
+    """The build's premise: CMAKE_C_FLAGS come before ggml's -march on the compile line, and an
+    explicit -mno-amx-* still wins over the AMX that the -march CPU implies (only the
+    preprocessor runs: ggml's AMX kernels are compiled under __AMX_INT8__)."""
+    assert "__AMX_INT8__" in _gcc_macros("-march=sapphirerapids")
+    off = _gcc_macros(*bench.NO_AMX_CFLAGS.split(), "-march=sapphirerapids")
+    assert "__AMX_INT8__" not in off and "__AMX_TILE__" not in off and "__AMX_BF16__" not in off
+    assert "__AVX512VNNI__" in off  # the rest of the CPU's ISA stays
+    # -march=native: the driver expands it into explicit -m flags of the host and puts the
+    # user's own after them, so the last AMX flag cc1 sees is ours (on an AMX host too)
+    r = subprocess.run(["gcc", *bench.NO_AMX_CFLAGS.split(), "-march=native", "-###", "-E", "-"], input="",
+                       capture_output=True, text=True)
+    cc1 = next(ln for ln in r.stderr.splitlines() if "cc1" in ln)
+    for feat in ("amx-tile", "amx-int8", "amx-bf16"):
+        seen = [t.strip('"') for t in cc1.split() if t.strip('"') in (f"-m{feat}", f"-mno-{feat}")]
+        assert seen and seen[-1] == f"-mno-{feat}", (feat, seen)
+
+
+def test_tree_fingerprint(tmp_path):
+    src = tmp_path / "llama.cpp"
+    (src / "ggml" / "src").mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text("project(x)\n")
+    (src / "ggml" / "src" / "a.c").write_text("int a;\n")
+    (src / "docs").mkdir()
+    (src / "docs" / "x.md").write_text("doc\n")
+    first = bench.tree_fingerprint(str(src))
+    assert bench.tree_fingerprint(str(src)) == first
+    (src / "docs" / "x.md").write_text("doc changed, not a build input\n")
+    assert bench.tree_fingerprint(str(src)) == first
+    (src / "ggml" / "src" / "a.c").write_text("int a = 1;\n")
+    second = bench.tree_fingerprint(str(src))
+    assert second != first
+    (src / "ggml" / "src" / "b.c").write_text("")
+    assert bench.tree_fingerprint(str(src)) != second
+
+
+def test_ensure_llama_bench_reuses_a_current_build(tmp_path):
+    """A build whose stamp matches the tree and the arguments is reused: no cmake runs (the tree
+    here could not even configure).  Without an AMX CPU nothing is turned off; on one, with no
+    library to ask whether AMX kernels were compiled, llama-bench runs with --repack 0."""
+    src = tmp_path / "llama.cpp"
+    (src / "src").mkdir(parents=True)
+    (src / "src" / "llama.cpp").write_text("// not buildable\n")
+    work = tmp_path / "work"
+    build = work / "llama-bench-build"
+    (build / "bin").mkdir(parents=True)
+    (build / "bin" / "llama-bench").write_text("")
+    for amx_cpu in (False, True):
+        stamp = {"fingerprint": bench.tree_fingerprint(str(src)),
+                 "cmake_args": bench.llama_bench_cmake_args(str(src), str(build), amx_cpu)}
+        (build / "colibri_bench_build.json").write_text(json.dumps(stamp))
+        got = bench.ensure_llama_bench(str(src), str(work), amx_cpu, timeout=60)
+        assert "error" not in got and got["reused"] is True
+        assert got["binary"] == str(build / "bin" / "llama-bench") and got["amx_compiled"] is None
+        assert got["repack_off"] is amx_cpu
+        cmd = bench.llama_bench_cmd(got["binary"], "m.gguf", 2, [32, 512], 64, 3, got["repack_off"])
+        assert cmd[1:] == ["-m", "m.gguf", "-t", "2", "-p", "32,512", "-n", "64", "-r", "3", "-o", "json"] \
+            + (["--repack", "0"] if amx_cpu else [])
+    assert bench.amx_note(False, False, False) == "CPU without AMX"
+    assert bench.amx_note(True, False, False) == f"AMX CPU: built with AMX off ({bench.NO_AMX_CFLAGS})"
+    assert bench.amx_note(True, True, True) == "AMX CPU: --repack 0 (AMX still compiled in)"
+    assert bench.lib_has_amx(None) is None and bench.lib_has_amx(str(src / "src" / "llama.cpp")) is None
+
+
+def test_build_error_line():
+    out = ("[ 40%] Building CXX object src/CMakeFiles/llama.dir/llama.cpp.o\n"
+           "/src/llama.cpp:12:5: error: 'foo' was not declared in this scope\n"
+           "   12 |     foo();\n"
+           "gmake[2]: *** [src/CMakeFiles/llama.dir/build.make:76: src/llama.cpp.o] Error 1\n"
+           "gmake[1]: *** [CMakeFiles/Makefile2:1020: src/CMakeFiles/llama.dir/all] Error 2\n"
+           "gmake: *** [Makefile:146: all] Error 2\n")
+    assert bench.build_error_line(out) == "/src/llama.cpp:12:5: error: 'foo' was not declared in this scope"
+    conf = "-- The C compiler identification\nCMake Error at CMakeLists.txt:3 (project):\n  No CMAKE_CXX_COMPILER\n" \
+           "-- Configuring incomplete, errors occurred!\n"
+    assert bench.build_error_line(conf) == "CMake Error at CMakeLists.txt:3 (project): No CMAKE_CXX_COMPILER"
+    assert bench.build_error_line("CMake Error at x.txt:1 (message):\n") == "CMake Error at x.txt:1 (message):"
+    assert bench.build_error_line("all good\nbut exit 1\n") == "but exit 1"
+
+
+def test_parse_llama_bench_json():
+    """A real run's output: llama-bench -m bench-Q4_0.gguf -t 2 -p 32,512 -n 64 -r 3 -o json."""
+    text = (DATA / "llama_bench_q4_0.json").read_text()
+    raw = json.loads(text)
+    got = bench.parse_llama_bench_json("some log line\n" + text)
+    assert list(got["tests"]) == ["pp32", "pp512", "tg64"]
+    for t, key in zip(raw, got["tests"]):
+        g = got["tests"][key]
+        assert g["avg_ts"] == t["avg_ts"] and g["stddev_ts"] == t["stddev_ts"]
+        assert len(g["samples_ts"]) == 3  # from samples_ns: exact, where samples_ts has 3 decimals
+        assert all(math.isclose(a, b, abs_tol=6e-4) for a, b in zip(g["samples_ts"], t["samples_ts"]))
+        assert math.isclose(statistics_mean(g["samples_ts"]), g["avg_ts"], rel_tol=1e-9)
+    meta = got["meta"]
+    assert meta["n_threads"] == 2 and meta["repack"] is True and meta["model_type"].endswith("Q4_0")
+    assert meta["build_commit"] == raw[0]["build_commit"] and "cpu_info" in meta
+    row = bench.llama_bench_row(got, 32, 64)
+    assert row["prefill_tok_s"] == raw[0]["avg_ts"] and row["decode_tok_s"] == raw[2]["avg_ts"]
+    assert row["decode_samples"] == got["tests"]["tg64"]["samples_ts"]
+    missing = bench.llama_bench_row(got, 16, 64)
+    assert missing["prefill_tok_s"] is None and missing["prefill_samples"] == []
+    assert bench._test_key({"n_prompt": 512, "n_gen": 64, "n_depth": 0}) == "pp512+tg64"
+    assert bench._test_key({"n_prompt": 0, "n_gen": 64, "n_depth": 4096}) == "tg64 @ d4096"
+    for bad in ("main: error: failed to load model\n", "[]", '[{"n_prompt": 32}]'):
+        with pytest.raises(ValueError):
+            bench.parse_llama_bench_json(bad)
+
+
+def statistics_mean(xs):
+    return sum(xs) / len(xs)
+
+
+def _parsed(name):
+    return bench.parse_llama_bench_json((DATA / name).read_text())
+
+
+def test_ts_stats_matches_llama_bench():
+    """Pooled samples are summarised with llama-bench's own statistics: its avg_ts / stddev_ts of
+    a real -r 3 run come back from its samples."""
+    for t in _parsed("llama_bench_q4_0.json")["tests"].values():
+        got = bench.ts_stats(t["samples_ts"])
+        assert math.isclose(got["avg_ts"], t["avg_ts"], rel_tol=1e-8)
+        assert math.isclose(got["stddev_ts"], t["stddev_ts"], rel_tol=1e-5)
+    assert bench.ts_stats([5.0]) == {"avg_ts": 5.0, "stddev_ts": 0.0, "samples_ts": [5.0]}
+
+
+def test_merge_llama_bench_rounds():
+    r3, r1 = _parsed("llama_bench_q4_0.json"), _parsed("llama_bench_q8_0_r1.json")  # real -r 3 and -r 1 runs
+    assert [len(t["samples_ts"]) for t in r1["tests"].values()] == [1, 1, 1]
+    merged = bench.merge_llama_bench([r3, r1, r1])
+    assert merged["invocations"] == 3 and merged["meta"] == r3["meta"]
+    for key in ("pp32", "pp512", "tg64"):
+        pooled = r3["tests"][key]["samples_ts"] + 2 * r1["tests"][key]["samples_ts"]
+        t = merged["tests"][key]
+        assert t["samples_ts"] == pooled and t["avg_ts"] == bench.ts_stats(pooled)["avg_ts"]
+        assert t["stddev_ts"] == bench.ts_stats(pooled)["stddev_ts"] > 0
+        assert (t["n_prompt"], t["n_gen"]) == (r3["tests"][key]["n_prompt"], r3["tests"][key]["n_gen"])
+    one = bench.merge_llama_bench([r1])["tests"]["tg64"]
+    assert math.isclose(one["avg_ts"], r1["tests"]["tg64"]["avg_ts"], rel_tol=1e-8) and one["stddev_ts"] == 0.0
+
+
+def _colibri_stats(prompt, prefill_s, forwards, decode_s):
+    return {"prefill_tokens": prompt, "prefill_s": prefill_s, "forwards": forwards, "decode_s": decode_s}
+
+
+def test_colibri_over_round():
+    lb = _parsed("llama_bench_q8_0_r1.json")
+    rnd = {"results": {"colibri": _colibri_stats(32, 0.16, 64, 0.252),   # 200 tok/s prefill, 250 decode
+                       "colibri long": _colibri_stats(512, 1.6, 2, 0.004), "Q8_0": lb}}
+    t = lb["tests"]
+    assert bench.colibri_rates(rnd["results"]["colibri"]) == (200.0, 250.0)
+    assert math.isclose(bench.colibri_over_round(rnd, "Q8_0", "pp32", 32, 64, 512), 200 / t["pp32"]["avg_ts"],
+                        rel_tol=1e-5)
+    assert math.isclose(bench.colibri_over_round(rnd, "Q8_0", "tg64", 32, 64, 512), 250 / t["tg64"]["avg_ts"],
+                        rel_tol=1e-5)
+    assert math.isclose(bench.colibri_over_round(rnd, "Q8_0", "pp512", 32, 64, 512), 320 / t["pp512"]["avg_ts"],
+                        rel_tol=1e-5)
+    assert bench.colibri_over_round(rnd, "Q4_0", "pp32", 32, 64, 512) is None
+
+
+def _llama_bench_res():
+    parsed = bench.merge_llama_bench([_parsed("llama_bench_q4_0.json")])
+    lb = {"engine": bench.LB, "weights": "Q4_0", "cached": "all", "size_bytes": 179133056,
+          **bench.llama_bench_row(parsed, 32, 64), "round_ratios": {"pp32": [0.3, 0.4], "tg64": [0.9, 1.1]},
+          "note": bench.llama_bench_note(parsed, 512, "CPU without AMX")}
+    return parsed, {
+        "date": "today", "machine": {"cpu": "Test CPU", "usable_cpus": 2, "amx": []},
+        "params": {"threads": 2, "prompt_len": 32, "tokens": 64, "runs": 3, "long_prompt": 512},
+        "rows": [
+            {"engine": "colibri", "weights": "int4 (io int8)", "cached": "all", "ref": True,
+             "prefill_tok_s": 200.0, "decode_tok_s": 250.0},
+            {"engine": bench.LCP, "weights": "Q4_0", "cached": "all", "prefill_tok_s": 400.0, "decode_tok_s": 125.0},
+            lb,
+            {"engine": bench.LCP, "weights": "Q8_0", "cached": "all", "prefill_tok_s": 300.0, "decode_tok_s": 100.0},
+            {"engine": bench.LB, "weights": "Q8_0", "cached": "all",
+             "error": "llama-bench build: /x/ggml.c:1:1: error: boom"},
+        ],
+        "engine_rounds": {"rounds_kept": 3, "colibri": {"pp32": bench.ts_stats([180.0, 220.0]),
+                                                        "pp512": bench.ts_stats([300.0]),
+                                                        "tg64": bench.ts_stats([240.0, 260.0])}},
+        "llama": {"amx_note": "CPU without AMX"},
+    }
+
+
+def test_report_llama_bench_rows():
+    parsed, res = _llama_bench_res()
+    pp32, pp512, tg64 = (parsed["tests"][k] for k in ("pp32", "pp512", "tg64"))
+    text = bench.render_report(res)
+    assert "Machine: Test CPU, 2 usable CPUs; no AMX; 2 threads" in text
+    res["machine"]["amx"] = ["amx_int8", "amx_tile"]
+    assert "Machine: Test CPU, 2 usable CPUs; AMX: amx_int8 amx_tile; 2 threads" in bench.render_report(res)
+    lines = text.splitlines()
+    main_header = next(ln for ln in lines if ln.startswith("| engine | weights | experts cached"))
+    main = [ln for ln in lines[lines.index(main_header):] if ln.startswith("| llama.cpp")]
+    # the main table: llama-bench's row right after llama-cpp-python's for the same GGUF
+    assert [ln.split(" | ")[0:2] for ln in main[:4]] == [
+        ["| " + bench.LCP, "Q4_0"], ["| " + bench.LB, "Q4_0"], ["| " + bench.LCP, "Q8_0"], ["| " + bench.LB, "Q8_0"]]
+    cells = [c.strip() for c in main[1].strip("|").split("|")]
+    assert cells[4] == bench.fmt_num(pp32["avg_ts"]) and cells[5] == bench.fmt_num(tg64["avg_ts"], 2)
+    assert cells[7] == f"{200.0 / pp32['avg_ts']:.2f}×" and cells[8] == f"{250.0 / tg64['avg_ts']:.2f}×"
+    assert cells[10] == (f"pp512 {bench.fmt_num(pp512['avg_ts'])} ± {bench.fmt_num(pp512['stddev_ts'])} tok/s; "
+                         "CPU without AMX")
+    assert "FAILED: llama-bench build: /x/ggml.c:1:1: error: boom" in main[3]
+    # the engine-only table: colibri and llama-bench from the same rounds, pp32 / pp512 / tg64
+    eo_header = next(ln for ln in lines if ln.startswith("| engine | weights | pp32 tok/s"))
+    assert eo_header == ("| engine | weights | pp32 tok/s | pp512 tok/s | tg64 tok/s | colibri ÷ pp32 | "
+                         "colibri ÷ pp512 | colibri ÷ tg64 | note |")
+    assert "measured in the same 3 interleaved rounds" in text
+    i = lines.index(eo_header)
+    col, q4, q8 = lines[i + 2], lines[i + 3], lines[i + 4]
+    sd200 = bench.fmt_num(bench.ts_stats([180.0, 220.0])["stddev_ts"])
+    sd250 = bench.fmt_num(bench.ts_stats([240.0, 260.0])["stddev_ts"])
+    assert col == (f"| colibri | int4 (io int8), all experts cached | 200 ± {sd200} | 300 ± 0.0 | 250 ± {sd250} "
+                   "| – | – | – | pp512 = a 512-token prompt |")
+    sd = lambda t: f"{bench.fmt_num(t['avg_ts'])} ± {bench.fmt_num(t['stddev_ts'])}"  # noqa: E731
+    assert q4 == (f"| {bench.LB} | Q4_0 | {sd(pp32)} | {sd(pp512)} | {sd(tg64)} | {200 / pp32['avg_ts']:.2f}× | "
+                  f"{300 / pp512['avg_ts']:.2f}× | {250 / tg64['avg_ts']:.2f}× | CPU without AMX |")
+    assert q8.startswith(f"| {bench.LB} | Q8_0 | – | – | – | – | – | – | FAILED: llama-bench build:")
+    assert "colibri ÷ llama-bench within each round (min – max): Q4_0: pp32 0.30–0.40×, tg64 0.90–1.10×." in text
+    # the spread table takes llama-bench's own samples
+    lo, hi = min(tg64["samples_ts"]), max(tg64["samples_ts"])
+    assert f"| {bench.LB} Q4_0 | " in text and f"{bench.fmt_num(lo, 2)} – {bench.fmt_num(hi, 2)} |" in text
+    # without llama-bench rows or rounds there is no engine-only table
+    res["rows"] = res["rows"][:2]
+    del res["engine_rounds"]
+    assert "pp32 tok/s" not in bench.render_report(res)
+
+
+def test_engine_rounds_interleave(tiny, tmp_path):
+    """The rounds run colibri for real (the tiny fixture's int4 container) and an executable in
+    llama-bench's place that logs its arguments and prints a captured llama-bench -r 1 output:
+    the order reverses every other round, llama-bench's samples pool over the rounds, each
+    round gives a colibri ÷ llama-bench ratio, and a llama-bench that fails makes its row's error."""
+    import argparse
+    from colibri.convert import ConvertOptions, convert
+
+    int4 = tmp_path / "int4"
+    convert(str(tiny), str(int4), ConvertOptions(expert_bits=4, dense_bits=4, io_bits=8), verbose=False)
+    log = tmp_path / "calls.txt"
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!{sys.executable}\n"
+                    "import sys\n"
+                    f"open({str(log)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\n"
+                    "if 'bad.gguf' in sys.argv:\n"
+                    "    sys.stderr.write('main: error: failed to load model bad.gguf\\n'); sys.exit(1)\n"
+                    f"sys.stdout.write(open({str(DATA / 'llama_bench_q8_0_r1.json')!r}).read())\n")
+    fake.chmod(0o755)
+    build = {"binary": str(fake), "repack_off": True, "amx_note": "AMX CPU: --repack 0"}
+    rows = [{"engine": bench.LB, "weights": "Q8_0", "gguf": "q8.gguf"},
+            {"engine": bench.LB, "weights": "Q4_0", "gguf": "bad.gguf"}]
+    vocab = _cfg(tiny)["vocab_size"]
+    args = argparse.Namespace(runs=2, retries=0, quiet_wait=0.0, threads=1, tokens=4, timeout=120)
+    out = bench.run_engine_rounds(str(int4), rows, build, bench.bench_prompt(32, vocab), bench.bench_prompt(512, vocab),
+                                  args, str(tmp_path))
+    assert out["rounds_kept"] == 2 and len(out["rounds"]) == 2
+    assert out["rounds"][0]["order"] == ["colibri", "colibri long", "Q8_0", "Q4_0"]
+    assert out["rounds"][1]["order"] == ["Q8_0", "colibri long", "colibri"]  # reversed; Q4_0 failed in round 1
+    calls = log.read_text().splitlines()
+    assert calls[0] == "-m q8.gguf -t 1 -p 32,512 -n 4 -r 1 -o json --repack 0"
+    assert len(calls) == 3 and calls[1].startswith("-m bad.gguf")
+    q8, bad = rows
+    assert bad["error"] == "llama-bench: main: error: failed to load model bad.gguf (exit 1)"
+    r1 = _parsed("llama_bench_q8_0_r1.json")["tests"]
+    tests = q8["llama_bench"]["tests"]
+    assert q8["llama_bench"]["invocations"] == 2 and tests["pp32"]["samples_ts"] == 2 * r1["pp32"]["samples_ts"]
+    assert q8["prefill_tok_s"] == tests["pp32"]["avg_ts"] and q8["note"].endswith("AMX CPU: --repack 0")
+    col = out["colibri"]
+    assert len(col["pp32"]["samples_ts"]) == 2 and len(col["pp512"]["samples_ts"]) == 2
+    assert len(col["tg4"]["samples_ts"]) == 2 and all(x > 0 for x in col["tg4"]["samples_ts"])
+    # the ratios come from the same round's colibri and llama-bench runs
+    assert len(q8["round_ratios"]["pp32"]) == 2
+    assert math.isclose(q8["round_ratios"]["pp32"][0] * r1["pp32"]["avg_ts"], col["pp32"]["samples_ts"][0],
+                        rel_tol=1e-6)
