@@ -425,6 +425,20 @@ COLI_AVX512 static inline void coli_lanes_sum16x4_avx512(__m512 a, __m512 b, __m
                                                                                        0, 0, 0, 0, 0, 0), r)));
 }
 
+/* res[4p + r] = R16(a[p][r]) for the P x NW accumulators of a tile (four at a time when NW = 4) */
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_sums_avx512(__m512 a[2][4], int P, int NW, float *res)
+{
+    for (int p = 0; p < P; p++) {
+        if (NW == 4) {
+            coli_lanes_sum16x4_avx512(a[p][0], a[p][1], a[p][2], a[p][3], res + p * 4);
+            continue;
+        }
+        COLI_UNROLL_G
+        for (int r = 0; r < NW; r++)
+            res[p * 4 + r] = coli_lanes_sum16_avx512(a[p][r]);
+    }
+}
+
 /* 64 activations from element j on (rem < 64: masked, zeros past them) */
 COLI_AVX512 static inline __m512i coli_x64_avx512(const int8_t *q, int j, int rem)
 {
@@ -509,15 +523,7 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_lanes_tile_k_avx512(const uint8_
                 a[p][r] = _mm512_fmadd_ps(sc, _mm512_cvtepi32_ps(d[p][r]), a[p][r]);
         }
     }
-    for (int p = 0; p < P; p++) {
-        if (NW == 4) {
-            coli_lanes_sum16x4_avx512(a[p][0], a[p][1], a[p][2], a[p][3], res + p * 4);
-            continue;
-        }
-        COLI_UNROLL_G
-        for (int r = 0; r < NW; r++)
-            res[p * 4 + r] = coli_lanes_sum16_avx512(a[p][r]);
-    }
+    coli_tile_sums_avx512(a, P, NW, res);
 }
 
 /* int4, lanes of 8 inputs: 128 activations from x (rem < 128: zeros past rem) split into their
@@ -654,15 +660,7 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_l8_tile_k_avx512(const uint8_t *
             }
         }
     }
-    for (int p = 0; p < P; p++) {
-        if (NW == 4) {
-            coli_lanes_sum16x4_avx512(a[p][0], a[p][1], a[p][2], a[p][3], res + p * 4);
-            continue;
-        }
-        COLI_UNROLL_G
-        for (int r = 0; r < NW; r++)
-            res[p * 4 + r] = coli_lanes_sum16_avx512(a[p][r]);
-    }
+    coli_tile_sums_avx512(a, P, NW, res);
 }
 
 /* the split form (COLI_SPLIT_BYTES) of a Q8 row for the tiles below; returns 1 */
