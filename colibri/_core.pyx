@@ -1269,7 +1269,14 @@ cdef int cmp_int_asc(const void *a, const void *b) noexcept nogil:
 # A forward of more rows than this runs its attention, dense MLP, shared expert and each routed
 # expert's FFN in row chunks of this size (prefill of long prompts): the scratch stays bounded by
 # the chunk while each routed expert is still read once per layer (bit-identical to one batch).
-PREFILL_CHUNK = max(int(os.environ.get("COLIBRI_PREFILL_CHUNK", "256")), 32)
+PREFILL_CHUNK = int(os.environ.get("COLIBRI_PREFILL_CHUNK", "256"))
+
+
+def chunk_rows(int S, int chunk=0):
+    """Rows of a forward's attention / FFN chunks: S, or the chunk size (PREFILL_CHUNK when 0;
+    at least 32, so a chunk is never a decode-sized batch)."""
+    chunk = max(chunk or PREFILL_CHUNK, 32)
+    return S if S <= chunk else chunk
 
 
 def expanded_key_rows(c, int T, int absorb):
@@ -1289,8 +1296,7 @@ def work_shapes(c, int S, int T, bint dsa, int kvb_rows, int nt, int chunk=0):
     selection (shared layers reuse the rows of the last full layer). Per chunk
     row (C = min(S, chunk)): attention and FFN activations. Per key (T): the attention / indexer
     scores of each thread; the expanded path's kv_b rows (kvb_rows of them, expanded_key_rows)."""
-    chunk = max(chunk, 32) if chunk else PREFILL_CHUNK
-    cdef int C = S if S <= chunk else chunk
+    cdef int C = chunk_rows(S, chunk)
     inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)
     widest = max(2 * c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter)   # 2D: eh_proj
     # activation quantization: C rows of the widest input, or T rows of kv_lora (expanded kv_b);
@@ -1687,7 +1693,7 @@ cdef class Model:
         """Scratch buffers for a forward of S rows over T keys (kept while the sizes fit)."""
         cdef Work ws = self._ws
         if ws is not None and S <= ws.S and T <= ws.T and coli_max_threads() <= ws.tbuf.shape[0] and \
-                ws.C == min(ws.S, max(self.prefill_chunk, 32)):
+                ws.C == chunk_rows(ws.S, self.prefill_chunk):
             return ws
         if ws is not None:
             S = max(S, ws.S)
@@ -2030,8 +2036,8 @@ cdef class Model:
         """Routed experts (sigmoid router + correction bias, top-K, batch union) + shared expert."""
         c = self.cfg
         cdef int E = c.n_experts, K = c.topk, D = c.hidden
-        cdef int s, r, i, j, u, e, nu = 0, bad = -1
-        cdef float[:, ::1] rl = ws.rl, xg = ws.xg, yg = ws.yg, rw = ws.rw
+        cdef int s, u, nu = 0, bad = -1
+        cdef float[:, ::1] rl = ws.rl, rw = ws.rw
         cdef int[:, ::1] rsel = ws.rsel
         cdef int[::1] upos = ws.upos, uniq = ws.uniq, ustart = ws.ustart, urow = ws.urow
         cdef float[::1] uw = ws.uw, bias = L.router_bias
@@ -2058,7 +2064,6 @@ cdef class Model:
             self._moe_streamed(L, n, S, out, ws, nu)
             return
         cdef Expert X
-        cdef int nr
         t0 = time.perf_counter()
         fetch = self.cache.fetch(L.index, [uniq[u] for u in range(nu)])
         self.t_disk += time.perf_counter() - t0
@@ -2221,14 +2226,14 @@ cdef class Model:
         cdef float[::1] w1 = L.in_ln, w2 = L.post_ln
         cdef int s, i, c0, sc, D = self.cfg.hidden
         cdef float eps = self.cfg.eps
+        cdef bint absorbed = self.absorbed_path(S, pos_base + S)       # one path for every chunk
         t0 = time.perf_counter()
         for c0 in range(0, S, ws.C):
             sc = min(ws.C, S - c0)
             with nogil:
                 for s in range(sc):
                     rmsnorm_row(&n[s, 0], &x[c0 + s, 0], &w1[0], D, eps)
-            self.attention(L, n, sc, pos_base + c0, a, ws, self.absorbed_path(S, pos_base + S),
-                           0 if c0 == 0 else pos_base + c0, c0)
+            self.attention(L, n, sc, pos_base + c0, a, ws, absorbed, 0 if c0 == 0 else pos_base + c0, c0)
             with nogil:
                 for s in range(sc):
                     for i in range(D):
@@ -2814,7 +2819,7 @@ def _init_dsa(Model m, cfg, bint dsa, bint dsa_force):
                                      f"tensor {missing} (colibrì's converter writes the indexer only in "
                                      "its --indexer pass; 'python -m colibri convert' keeps it)")
         return
-    m.has_dsa = cfg.index_topk > 0 and cfg.index_nh > 0 and cfg.index_hd > 0
+    m.has_dsa = cfg.dsa
 
 
 def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=32, int idot=IDOT_Q8X2,

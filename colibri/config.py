@@ -87,6 +87,11 @@ class Config:
         return self.qk_nope + self.qk_rope
 
     @property
+    def dsa(self) -> bool:
+        """The config describes a DSA lightning indexer (index_topk, index_n_heads, index_head_dim)."""
+        return self.index_topk > 0 and self.index_nh > 0 and self.index_hd > 0
+
+    @property
     def attn_scale(self) -> float:
         return 1.0 / math.sqrt(self.qk_head)
 
@@ -250,7 +255,7 @@ def parse_config(raw: dict, path: str = "config.json") -> Config:
     )
     cfg.sparse = _layer_kinds(raw, path, cfg.n_layers, first_dense)
     cfg.idx_full = _indexer_kinds(raw, path, cfg.n_layers)
-    if cfg.index_topk > 0 and cfg.index_nh > 0 and cfg.index_hd > 0:
+    if cfg.dsa:
         if cfg.index_hd < cfg.qk_rope:
             raise _err(path, "index_head_dim", f"= {cfg.index_hd} is smaller than qk_rope_head_dim")
         if not cfg.idx_full[0]:
@@ -290,7 +295,7 @@ def indexer_missing(cfg: Config, tensors, where: str):
     with ``in`` (a SafeTensorsDir); a config without DSA dims gives None.
     """
     from .st import ContainerError
-    if not (cfg.index_topk > 0 and cfg.index_nh > 0 and cfg.index_hd > 0):
+    if not cfg.dsa:
         return None
     names = [f"model.layers.{i}.self_attn.indexer.{t}" for i in range(cfg.n_layers) if cfg.idx_full[i]
              for t in INDEXER_TENSORS]

@@ -305,8 +305,7 @@ def build_report(model_dir, *, dense_bits: int = 32, expert_bits: int = 32, ctx=
 def _report(st, cfg, model_dir, dense_bits, expert_bits, ctx) -> dict:
     acc = _Acc(st, dense_bits, expert_bits)
     notes = acc.notes
-    has_dsa = cfg.index_topk > 0 and cfg.index_nh > 0 and cfg.index_hd > 0 and \
-        indexer_missing(cfg, st, model_dir) is None
+    has_dsa = cfg.dsa and indexer_missing(cfg, st, model_dir) is None
     has_mtp = _has_mtp(st, cfg.n_layers)
 
     # embeddings and head: f32 unless --dense-bits 4 (model_init's io_bits)

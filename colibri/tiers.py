@@ -79,7 +79,7 @@ def work_bytes_estimate(model, ctx: int) -> int:
     ffn = pairs * (5 * c.hidden + 6 * inter)
     # group-scaled int4 matmuls' split activations (Model._split_scratch): a chunk of the widest rows
     widest = max(2 * c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter)
-    split = 2 * max(min(ctx, _core.PREFILL_CHUNK) * _core.split_len(widest), kvb_rows * _core.split_len(c.kv_lora))
+    split = 2 * max(_core.chunk_rows(ctx) * _core.split_len(widest), kvb_rows * _core.split_len(c.kv_lora))
     return int(work + 4 * floats + 4 * ffn + split)
 
 
