@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from libc.stdint cimport int8_t, uint8_t, int32_t
+from libc.stdint cimport int8_t, uint8_t, int32_t, uintptr_t
 from libc.math cimport expf, sqrtf, sqrt, cosf, sinf, isnan
 from libc.string cimport memcpy, memset
 from libc.stdlib cimport qsort, malloc, free
@@ -24,6 +24,7 @@ import threading
 from .cache import ExpertCache
 from .config import Config, indexer_missing, load_config
 from .lookahead import PrefetchPolicy, parse_prefetch
+from .budget import EXTRA_CALL_EXPERTS
 from . import st as _st
 from . import quant as _quant
 
@@ -181,8 +182,8 @@ cdef class QT:
         scale = scale.reshape(-1)
         if not np.all(np.isfinite(scale)):
             raise ValueError(f"{name}.qs: non-finite scale")
-        cdef uint8_t[::1] pv = payload
-        cdef float[::1] sv = scale
+        cdef const uint8_t[::1] pv = payload       # const: may be a view of a read-only mapping
+        cdef const float[::1] sv = scale
         t.data = payload
         t.scale = scale
         t.c.fmt = fmt
@@ -1237,11 +1238,13 @@ cdef class Layer:
 
 
 cdef class Expert:
-    """One routed expert's three matrices, read from disk into one slab."""
+    """One routed expert's three matrices, read from disk into one slab, or used in place in the
+    container's mapping (``mapped``: its _ExpertLayout; ``slab`` is then a view of the mapping)."""
     cdef public int eid
     cdef public QT gate, up, down
     cdef public object slab
     cdef public long long nbytes
+    cdef public object mapped
 
 
 cdef struct ScoreIdx:
@@ -1388,7 +1391,8 @@ cdef class Model:
     cdef public bint lookahead_on                 # ... in this iteration (the PrefetchPolicy's choice)
     cdef public object lookahead                  # PrefetchPolicy: prefetch only while it pays
     cdef public bint direct                       # O_DIRECT reads of expert payloads
-    cdef object _direct_fds, _io, _slabs, _expert_layouts
+    cdef public bint mapped                       # container experts used in place in the file mapping
+    cdef object _direct_fds, _io, _slabs, _expert_layouts, _row_files
     cdef object _gsplit                           # split activation rows for group-scaled int4 (see _split_scratch)
     cdef public bint grouped4                     # a group-scaled int4 matrix has been loaded (resident or expert)
     # Counters
@@ -1538,6 +1542,8 @@ cdef class Model:
             lay = self._expert_layouts.get((li, eid))
             if lay is None:
                 lay = self._expert_layouts[(li, eid)] = _ExpertLayout(st, names)
+            if self.mapped:
+                return self._expert_mapped(eid, lay, names, shapes)
             slab, base = self._read_payloads(lay)
             scales = self._read_scales(lay)
             qts = []
@@ -1560,6 +1566,67 @@ cdef class Model:
                 E.nbytes += W.nbytes
         E.gate, E.up, E.down = qts
         return E
+
+    def _expert_mapped(self, int eid, lay, names, shapes):
+        """The expert used in place in the container's read-only mapping: its payloads are views
+        of the file's pages, and so are its scales when they are F32 at a 4-byte aligned offset
+        (else they are read). Made once per expert and handed out again by later loads; each
+        load faults its pages in (``_map_in``), ``_release_expert`` drops them from the RSS."""
+        E = lay.expert
+        if E is None:
+            st = self.st
+            E = Expert()
+            E.eid = eid
+            E.nbytes = lay.total
+            qts = []
+            for k in range(3):
+                p, sc = lay.payloads[k], lay.scales[k]
+                if sc.dtype == "F32" and sc.offset % 4 == 0:
+                    scale = st.map(sc.file_index)[sc.offset:sc.offset + sc.nbytes].view(np.float32).reshape(sc.shape)
+                else:
+                    scale = st.read_f32(sc.name)
+                E.nbytes += sc.nbytes
+                qts.append(QT.from_packed(st.map(p.file_index)[p.offset:p.offset + p.nbytes], scale,
+                                          shapes[k][0], shapes[k][1], names[k]))
+                self._note_groups(qts[k])
+            E.gate, E.up, E.down = qts
+            first = lay.payloads[lay.order[0]]
+            E.slab = st.map(first.file_index)[first.offset:first.offset + lay.total] if lay.contiguous else None
+            E.mapped = lay
+            lay.map_spans(st)
+            lay.expert = E
+        _map_in(lay.spans, lay)
+        self.bytes_read += E.nbytes
+        return E
+
+    def _release_expert(self, E):
+        """on_evict hook of the expert cache: a mapped expert's pages leave the process's RSS (they
+        stay in the page cache; a later use faults them back in, so this is safe at any time, even
+        while a forward still multiplies with it); a read expert's buffer goes back to the pool."""
+        if getattr(E, "mapped", None) is not None:
+            _map_out((<Expert>E).mapped.spans)
+        else:
+            self._slabs.recycle(E)
+
+    def _check_mapped(self, int li):
+        """guard of the expert cache, before a call on row li hands out experts: the files its
+        mapped experts live in must still hold every mapped byte (a page cut off a mapped file
+        would fault with SIGBUS in the middle of a matmul instead of raising)."""
+        files = self._row_files.get(li)
+        if files is None:
+            p = f"model.layers.{li}.mlp.experts."
+            files = sorted({self.st.info(f"{p}{e}.{m}.weight{x}").file_index for e in range(self.cfg.n_experts)
+                            for m in ("gate_proj", "up_proj", "down_proj") for x in ("", ".qs")
+                            if f"{p}{e}.{m}.weight{x}" in self.st})
+            self._row_files[li] = files
+        for fi in files:
+            need = self.st.mapped_size(fi)
+            if need:
+                size = os.fstat(self.st.fileno(fi)).st_size
+                if size < need:
+                    raise _st.ContainerError(
+                        f"{self.st.paths[fi]}: short read: the file now has {size} of the {need} bytes "
+                        "it had when mapped; it was truncated or changed while running")
 
     def _read_payloads(self, lay):
         """An expert's three payloads into one buffer of the slab pool: (buffer, where the first
@@ -2901,7 +2968,9 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.direct = direct
     m._direct_fds = {}
     m._expert_layouts = {}
+    m._row_files = {}
     m._io = _IoClock()
+    m.mapped = not direct and os.environ.get("COLIBRI_MMAP", "1") != "0" and _mappable_experts(m)
     # Rows of the cache: every layer index (dense ones stay empty) plus the MTP row.
     m.cache = ExpertCache(m.expert_load, cfg.n_layers + 1, m.cache_experts, io_threads=io_threads,
                           prefetch=mode != "off", n_experts=cfg.n_experts)
@@ -2910,16 +2979,49 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.lookahead_on = True
     m.cache.overshoot = cfg.topk            # within the RAM plan's per-call allowance
     m._slabs = _SlabPool(2 * cfg.topk)
-    m.cache.on_evict = m._slabs.recycle
+    m.cache.on_evict = m._release_expert
+    if m.mapped:
+        m.cache.guard = m._check_mapped
+        # evicted experts stay mapped while a call may still use them (the RAM plan's call allowance)
+        m.cache.set_keep_bytes(EXTRA_CALL_EXPERTS * max(_expert_disk_bytes(m.st, li) for li in range(cfg.n_layers + 1)))
     m.reset_stats()
     return m
+
+
+def _expert_disk_bytes(st, int li):
+    """Payload + scale bytes of expert 0 of row li in the container (0 if it has none)."""
+    p = f"model.layers.{li}.mlp.experts.0."
+    return sum(st.info(p + m + ".weight" + x).nbytes for m in ("gate_proj", "up_proj", "down_proj")
+               for x in ("", ".qs") if p + m + ".weight" + x in st)
+
+
+def _mappable_experts(Model m):
+    """Whether the container's experts can be used in place: every file holding routed experts
+    maps (a filesystem that cannot is read with pread instead)."""
+    c = m.cfg
+    files = set()
+    for li in range(c.n_layers + 1):
+        name = f"model.layers.{li}.mlp.experts.0.gate_proj.weight"
+        if name + ".qs" in m.st:
+            files.add(m.st.info(name).file_index)
+    if not files:
+        return False
+    try:
+        for fi in range(len(m.st.paths)):
+            m.st.map(fi)
+    except _st.ContainerError:
+        return False
+    return True
 
 
 class _ExpertLayout:
     """Where one container expert lies on disk, worked out once: its three payloads (gate, up,
     down TensorInfos), their file order, whether they form one contiguous range (and each one's
-    start in it), and the byte span of their three F32 scale vectors when those are adjacent."""
-    __slots__ = ("payloads", "order", "contiguous", "starts", "total", "scales", "scale_span")
+    start in it), and the byte span of their three F32 scale vectors when those are adjacent.
+    Mapped experts (Model.mapped) also keep here their Expert, made once, and ``spans``: the
+    page-aligned (address, bytes) ranges of the mapping their tensors cover."""
+    __slots__ = ("payloads", "order", "contiguous", "starts", "total", "scales", "scale_span", "expert",
+                 "spans")
 
     def __init__(self, st, names):
         p = self.payloads = [st.info(n) for n in names]
@@ -2939,6 +3041,105 @@ class _ExpertLayout:
         adjacent = (all(i.dtype == "F32" and i.file_index == lo.file_index and (i.offset - lo.offset) % 4 == 0
                         for i in sc) and span == sum(i.nbytes for i in sc))
         self.scale_span = (lo, span) if adjacent else None
+        self.expert = None
+        self.spans = None
+
+    def map_spans(self, st):
+        """Set ``spans``: the payloads' range(s) and the scales' range(s) in st's mappings, widened
+        to whole pages (a page shared with a neighbour is faulted back in by whoever uses it next),
+        overlapping ranges merged."""
+        rs = []
+        for i in self.payloads + self.scales:
+            base = st.map(i.file_index).ctypes.data
+            rs.append([(base + i.offset) & ~(_PAGE - 1), (base + i.offset + i.nbytes + _PAGE - 1) & ~(_PAGE - 1)])
+        rs.sort()
+        out = [rs[0]]
+        for a, b in rs[1:]:
+            last = out[len(out) - 1]           # (no negative indices: the module has wraparound off)
+            if a <= last[1]:
+                last[1] = max(last[1], b)
+            else:
+                out.append([a, b])
+        self.spans = [(a, b - a) for a, b in out]
+
+
+# -- the container mapping: pages in, pages out -----------------------------------------------
+
+cdef extern from *:
+    """
+    #include <sys/mman.h>
+    #include <errno.h>
+    #if defined(MADV_POPULATE_READ)
+    #define COLI_MADV_POPULATE_READ MADV_POPULATE_READ
+    #elif defined(__linux__)
+    #define COLI_MADV_POPULATE_READ 22      /* Linux >= 5.14 */
+    #else
+    #define COLI_MADV_POPULATE_READ -1
+    #endif
+    static volatile unsigned char coli_touch_sink;
+    /* Read one byte of every page of [p, p + n): the fallback that faults pages in where
+       MADV_POPULATE_READ does not exist (a page beyond the end of the file raises SIGBUS here). */
+    static void coli_touch_pages(const unsigned char *p, size_t n, size_t page) {
+        unsigned char acc = 0;
+        for (size_t i = 0; i < n; i += page) acc ^= p[i];
+        coli_touch_sink = acc;
+    }
+    """
+    int madvise(void *addr, size_t n, int advice) nogil
+    int MADV_DONTNEED, MADV_WILLNEED, COLI_MADV_POPULATE_READ
+    int errno
+    int EINVAL, EFAULT, EINTR, EAGAIN
+    void coli_touch_pages(const unsigned char *p, size_t n, size_t page) nogil
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+cdef bint _populate_ok = COLI_MADV_POPULATE_READ >= 0
+
+
+def _map_in(spans, lay):
+    """Fault the pages of spans into the process (I/O threads call this, so that the matmuls do
+    not stall on page faults): readahead of the whole ranges (MADV_WILLNEED: one large read each
+    for pages not in the page cache), then MADV_POPULATE_READ (or a read per page where it does
+    not exist). A range beyond the end of the file is a ContainerError naming lay's first tensor."""
+    global _populate_ok
+    cdef uintptr_t a
+    cdef size_t n, page = _PAGE
+    cdef int r, err
+    for addr, nbytes in spans:
+        a, n = addr, nbytes
+        with nogil:
+            madvise(<void *>a, n, MADV_WILLNEED)
+            while True:
+                if not _populate_ok:
+                    coli_touch_pages(<const unsigned char *>a, n, page)
+                    r = 0
+                    break
+                r = madvise(<void *>a, n, COLI_MADV_POPULATE_READ)
+                err = errno
+                if r == 0 or (err != EINTR and err != EAGAIN):
+                    break
+        if r != 0:
+            if err == EINVAL:              # a kernel before 5.14: touch the pages instead
+                _populate_ok = False
+                with nogil:
+                    coli_touch_pages(<const unsigned char *>a, n, page)
+                continue
+            info = lay.payloads[lay.order[0]]
+            if err == EFAULT:
+                raise _st.ContainerError(f"{info.path}: short read of {info.name} (its pages are beyond the "
+                                         "end of the file); the file was truncated or changed while running")
+            raise _st.ContainerError(f"{info.path}: cannot read the pages of {info.name} "
+                                     f"({os.strerror(err)})")
+
+
+def _map_out(spans):
+    """Drop the pages of spans from the process's RSS (MADV_DONTNEED on a shared read-only file
+    mapping: they stay in the page cache, and a later touch maps them again)."""
+    cdef uintptr_t a
+    cdef size_t n
+    for addr, nbytes in spans:
+        a, n = addr, nbytes
+        with nogil:
+            madvise(<void *>a, n, MADV_DONTNEED)
 
 
 class _SlabPool:

@@ -9,7 +9,12 @@ that lives in memory:
 3. the **call working set**: while one ``get()`` call is in progress its experts are protected,
    and the LRU may hold up to ``capacity`` + (experts of the call) entries; it is trimmed back when
    the call returns;
-4. below it, implicitly, the OS page cache under the loader, and the disk.
+4. the **kept tier** (``keep_bytes``, 0 = none): experts evicted from the LRU that the loader can
+   hand back without reading them again (the engine's experts mapped in place from the page cache),
+   kept, least recently evicted first, up to ``keep_bytes`` of their ``nbytes`` in all rows; an
+   expert found there is a ``hits_kept`` and goes back into its row's LRU, and one pushed out of it
+   is released (``on_evict``);
+5. below it, implicitly, the OS page cache under the loader, and the disk.
 
 Only the standard library and numpy are used; the engine (``colibri._core``) supplies the loader.
 
@@ -23,6 +28,9 @@ objects it is given: ``get()`` returns exactly the objects the loader made. An e
 the loader reaches the caller of ``get()``/``pin()`` re-raised with the layer and expert in front of
 its message (same exception type when that type can be built from one message string, else
 ``RuntimeError``; the original is chained as ``__cause__``).
+
+``on_evict(obj)`` is called once for each object the cache lets go of: evicted from the LRU (or
+from the kept tier, when there is one), or dropped after a prefetch could not place it.
 
 Determinism
 -----------
@@ -64,11 +72,11 @@ __all__ = ["ExpertCache", "Fetch", "PREFETCH_QUEUE_MAX"]
 
 PREFETCH_QUEUE_MAX = 4096           # pending prefetch entries; the oldest are dropped beyond this
 
-_COUNTERS = ("requests", "hits_pin", "hits_lru", "prefetch_waits", "inflight_waits", "misses",
+_COUNTERS = ("requests", "hits_pin", "hits_lru", "hits_kept", "prefetch_waits", "inflight_waits", "misses",
              "loads", "load_errors", "bytes_read", "load_s", "wait_s", "evictions",
              "prefetch_issued", "prefetch_loaded", "prefetch_used", "prefetch_wasted",
              "prefetch_dropped", "prefetch_errors", "prefetch_skipped", "prefetch_overflow",
-             "lookahead_true", "lookahead_hit")
+             "lookahead_true", "lookahead_hit", "kept", "released")
 _FLOAT_COUNTERS = ("load_s", "wait_s")
 
 
@@ -182,8 +190,13 @@ class ExpertCache:
         # (the engine protects the predicted set, so one prediction's loads do not evict each
         # other); the next get() of the row trims it back.
         self.overshoot = 0
-        # Called with an evicted expert (lock held, must be quick and must not call back).
+        # Called with each expert the cache lets go of (lock held, must be quick and must not call back).
         self.on_evict = None
+        # Bytes (sum of nbytes) of evicted experts kept for a read-free return (0: none kept).
+        self.keep_bytes = 0
+        # Called with the row at the start of every fetch(), outside the lock: raises to refuse the
+        # call when the experts the cache holds can no longer be used (e.g. their file shrank).
+        self.guard = None
         self.usage = np.zeros((n_rows, n_experts), np.int64)
 
         self._lock = threading.Lock()
@@ -191,6 +204,8 @@ class ExpertCache:
         self._pins = [dict() for _ in range(n_rows)]     # eid -> expert
         self._lru = [collections.OrderedDict() for _ in range(n_rows)]   # eid -> _Entry, LRU first
         self._busy = [dict() for _ in range(n_rows)]     # eid -> number of get() calls using it
+        self._kept = collections.OrderedDict()           # (layer, eid) -> expert, oldest first
+        self._kept_bytes = 0
         self._inflight = {}                              # (layer, eid) -> _Pending
         self._pred = {}                                  # layer -> frozenset of predicted eids
         self._queue = collections.deque()                # (layer, eid, protect)
@@ -285,10 +300,35 @@ class ExpertCache:
         self._st["evictions"] += 1
         if ent.prefetched:
             self._st["prefetch_wasted"] += 1
+        obj = ent.obj
+        del ent
+        self._let_go(layer, e, obj)
+
+    def _let_go(self, layer, e, obj):
+        """obj (expert e of layer) leaves the LRU: into the kept tier when there is one, pushing
+        its oldest entries out beyond keep_bytes; whatever leaves the cache goes to on_evict."""
+        if self.keep_bytes > 0:
+            self._kept[(layer, e)] = obj
+            self._kept_bytes += int(obj.nbytes)
+            self._st["kept"] += 1
+            while self._kept_bytes > self.keep_bytes:
+                _, old = self._kept.popitem(last=False)
+                self._kept_bytes -= int(old.nbytes)
+                self._release_obj(old)
+            return
+        self._release_obj(obj)
+
+    def _release_obj(self, obj):
+        self._st["released"] += 1
         if self.on_evict is not None:
-            obj = ent.obj
-            del ent
-            self.on_evict(obj)          # e.g. recycle its buffer when nothing else holds it
+            self.on_evict(obj)          # e.g. recycle its buffer, or unmap its pages
+
+    def _take_kept(self, layer, e):
+        """The kept expert e of layer, removed from the kept tier, or None (lock held)."""
+        obj = self._kept.pop((layer, e), None) if self._kept else None
+        if obj is not None:
+            self._kept_bytes -= int(obj.nbytes)
+        return obj
 
     def _place_prefetched(self, layer, eid, obj, protect):
         """Insert a prefetched expert as the most recent entry of layer's LRU (lock held)."""
@@ -300,6 +340,7 @@ class ExpertCache:
         if victims is None:
             if len(lru) >= self.capacity + self.overshoot:
                 self._st["prefetch_dropped"] += 1
+                self._let_go(layer, eid, obj)
                 return
             victims = []            # every entry is protected: hold it beyond capacity until a get() trims
         for v in victims:
@@ -335,11 +376,12 @@ class ExpertCache:
                 if eid in self._pins[layer]:
                     continue
                 ent = self._lru[layer].pop(eid, None)
-                if ent is not None:
-                    if ent.prefetched:
+                obj = ent.obj if ent is not None else self._take_kept(layer, eid)
+                if obj is not None:
+                    if ent is not None and ent.prefetched:
                         self._st["prefetch_used"] += 1
-                    self._pins[layer][eid] = ent.obj
-                    nb = int(ent.obj.nbytes)
+                    self._pins[layer][eid] = obj
+                    nb = int(obj.nbytes)
                     self._pinned_bytes += nb
                     added += nb
                     continue
@@ -366,6 +408,9 @@ class ExpertCache:
                 ent = self._lru[p.layer].pop(p.eid, None)
                 if ent is not None and ent.prefetched:
                     self._st["prefetch_used"] += 1
+                old = self._take_kept(p.layer, p.eid)
+                if old is not None and old is not p.obj:
+                    self._release_obj(old)
                 self._pins[p.layer][p.eid] = p.obj
                 nb = int(p.obj.nbytes)
                 self._pinned_bytes += nb
@@ -399,6 +444,8 @@ class ExpertCache:
         if not eids:
             f._result = []
             return f
+        if self.guard is not None:
+            self.guard(layer)
         st = self._st
         busy = self._busy[layer]
         with self._lock:
@@ -455,6 +502,12 @@ class ExpertCache:
                         ent.prefetched = False
                         st["prefetch_used"] += 1
                     f.found[e] = ent.obj
+                    continue
+                obj = self._take_kept(layer, e)
+                if obj is not None:
+                    st["hits_kept"] += 1
+                    lru[e] = _Entry(obj)        # back in the LRU (protected: the call uses it)
+                    f.found[e] = obj
                     continue
                 p = self._inflight.get((layer, e))
                 if p is not None:
@@ -559,7 +612,7 @@ class ExpertCache:
             added = False
             for e in dict.fromkeys(eids):
                 key = (layer, e)
-                if e in pins or e in lru or key in self._inflight or key in self._queued:
+                if e in pins or e in lru or key in self._inflight or key in self._queued or key in self._kept:
                     continue
                 self._queue.append((layer, e, protect))
                 self._queued.add(key)
@@ -586,7 +639,7 @@ class ExpertCache:
                 layer, e, protect = self._queue.popleft()
                 self._queued.discard((layer, e))
                 key = (layer, e)
-                if e in self._pins[layer] or e in self._lru[layer] or key in self._inflight:
+                if e in self._pins[layer] or e in self._lru[layer] or key in self._inflight or key in self._kept:
                     self._st["prefetch_skipped"] += 1
                     if not self._queue:
                         self._cond.notify_all()
@@ -631,6 +684,19 @@ class ExpertCache:
             for layer in range(self.n_rows):
                 self._trim(layer)
 
+    def set_keep_bytes(self, nbytes: int) -> None:
+        """Resize the kept tier (0: none; experts evicted from the LRU are released at once),
+        releasing its oldest entries beyond the new size."""
+        nbytes = operator.index(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"keep_bytes must be >= 0, got {nbytes}")
+        with self._lock:
+            self.keep_bytes = nbytes
+            while self._kept and self._kept_bytes > nbytes:
+                _, old = self._kept.popitem(last=False)
+                self._kept_bytes -= int(old.nbytes)
+                self._release_obj(old)
+
     def close(self) -> None:
         """Stop the prefetch thread (pending requests are discarded, a load in progress finishes)
         and the I/O pool; unused prefetched experts still in the LRU are counted as wasted.
@@ -666,16 +732,23 @@ class ExpertCache:
     # -- inspection -------------------------------------------------------------------------------
 
     def tier(self, layer: int, eid: int):
-        """"pin", "lru", "loading" or None: where expert eid of layer is right now."""
+        """"pin", "lru", "kept", "loading" or None: where expert eid of layer is right now."""
         layer, eid = self._check(layer, eid)
         with self._lock:
             if eid in self._pins[layer]:
                 return "pin"
             if eid in self._lru[layer]:
                 return "lru"
+            if (layer, eid) in self._kept:
+                return "kept"
             if (layer, eid) in self._inflight:
                 return "loading"
             return None
+
+    def kept(self) -> list:
+        """The (layer, eid) pairs of the kept tier, the next to be released first."""
+        with self._lock:
+            return list(self._kept)
 
     def lru_order(self, layer: int) -> list:
         """The experts in layer's LRU, least recently used first."""
@@ -702,27 +775,36 @@ class ExpertCache:
     @property
     def stats(self) -> dict:
         """A snapshot of the counters (see the module docstring for the prefetch ones) plus
-        ``pinned_experts``, ``pinned_bytes``, ``lru_experts``, ``prefetch_unused``, ``hit_rate`` and
-        ``prefetch_recall`` (lookahead_hit / lookahead_true, 0.0 without predictions).
+        ``pinned_experts``, ``pinned_bytes``, ``lru_experts``, ``kept_experts``, ``kept_bytes``,
+        ``prefetch_unused``, ``hit_rate``, ``lru_hit_rate`` (the same without the kept tier's hits:
+        what a cache of copies with this capacity would have found) and ``prefetch_recall``
+        (lookahead_hit / lookahead_true, 0.0 without predictions).
 
-        requests = hits_pin + hits_lru + prefetch_waits + inflight_waits + misses (distinct experts
-        per call), as long as no get() failed."""
+        requests = hits_pin + hits_lru + hits_kept + prefetch_waits + inflight_waits + misses
+        (distinct experts per call), as long as no get() failed; ``kept`` counts the experts that
+        entered the kept tier, ``released`` those the cache let go of (``on_evict``)."""
         with self._lock:
             s = dict(self._st)
             s["pinned_experts"] = sum(len(p) for p in self._pins)
             s["pinned_bytes"] = self._pinned_bytes
             s["lru_experts"] = sum(len(r) for r in self._lru)
+            s["kept_experts"] = len(self._kept)
+            s["kept_bytes"] = self._kept_bytes
             s["prefetch_unused"] = sum(1 for r in self._lru for ent in r.values() if ent.prefetched)
         s["hit_rate"] = self._hit_rate(s)
+        s["lru_hit_rate"] = self._hit_rate(s, kept=False)
         s["prefetch_recall"] = (s["lookahead_hit"] / s["lookahead_true"]) if s["lookahead_true"] else 0.0
         return s
 
     @staticmethod
-    def _hit_rate(s):
+    def _hit_rate(s, kept=True):
         hits = s["hits_pin"] + s["hits_lru"] + s["prefetch_waits"] + s["inflight_waits"]
+        if kept:
+            hits += s["hits_kept"]
         return hits / s["requests"] if s["requests"] else 0.0
 
     def hit_rate(self) -> float:
-        """(hits_pin + hits_lru + prefetch_waits + inflight_waits) / requests (0.0 before any)."""
+        """(hits_pin + hits_lru + hits_kept + prefetch_waits + inflight_waits) / requests (0.0 before
+        any): the share of requested experts found in memory, not read."""
         with self._lock:
             return self._hit_rate(self._st)

@@ -19,7 +19,8 @@ containers) is read whole: every ``.safetensors`` file, whatever its name.
 
 Tensor data are read with ``os.pread`` on file descriptors that stay open for
 the lifetime of the :class:`SafeTensorsDir`; the engine may use the same
-descriptors (:meth:`SafeTensorsDir.fileno`) for its own reads.
+descriptors (:meth:`SafeTensorsDir.fileno`) for its own reads, or map a file
+read-only (:meth:`SafeTensorsDir.map`) and use its tensors in place.
 
 Only numpy is needed.
 """
@@ -426,6 +427,7 @@ class SafeTensorsDir:
         self._index: Dict[str, TensorInfo] = {}
         self._per_file: List[Dict[str, TensorInfo]] = []
         self._shadowed: List[TensorInfo] = []
+        self._maps: Dict[int, np.ndarray] = {}
         if not os.path.isdir(directory):
             raise ContainerError(f"{directory}: no such directory")
         try:
@@ -503,6 +505,28 @@ class SafeTensorsDir:
             raise ContainerError(f"{self.directory}: no open file with index {file_index}")
         return self._fds[file_index]
 
+    def map(self, file_index: int) -> np.ndarray:
+        """The whole file ``file_index`` as a read-only uint8 array over a shared mapping (made
+        once; it lives as long as an array or view of it does): its bytes are those of the OS page
+        cache, faulted in on first touch. ``ContainerError`` when the file cannot be mapped."""
+        arr = self._maps.get(file_index)
+        if arr is not None:
+            return arr
+        import mmap
+        fd = self.fileno(file_index)
+        path = self.paths[file_index]
+        try:
+            mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as e:
+            raise ContainerError(f"{path}: cannot map the file ({getattr(e, 'strerror', None) or e})") from e
+        arr = self._maps[file_index] = np.frombuffer(mm, dtype=np.uint8)
+        return arr
+
+    def mapped_size(self, file_index: int) -> int:
+        """Bytes of file ``file_index`` mapped by :meth:`map` (0 when it is not mapped)."""
+        arr = self._maps.get(file_index)
+        return 0 if arr is None else int(arr.shape[0])
+
     # -- reading ----------------------------------------------------------
     def read_raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as a new uint8 array of exactly ``nbytes``."""
@@ -540,6 +564,7 @@ class SafeTensorsDir:
 
     # -- lifetime ---------------------------------------------------------
     def close(self) -> None:
+        self._maps = {}                 # each mapping goes when its last view does
         fds, self._fds = self._fds, []
         for fd in fds:
             try:
