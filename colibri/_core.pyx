@@ -1604,7 +1604,7 @@ cdef class Model:
         stay in the page cache; a later use faults them back in, so this is safe at any time, even
         while a forward still multiplies with it); a read expert's buffer goes back to the pool."""
         if getattr(E, "mapped", None) is not None:
-            _map_out((<Expert>E).mapped.spans)
+            _map_out((<Expert>E).mapped.drops)
         else:
             self._slabs.recycle(E)
 
@@ -1699,10 +1699,10 @@ cdef class Model:
         return self.cache.get(li, [eid])[0]
 
     property expert_hits:
-        """Experts found in memory (pinned, cached, or being loaded by a prefetch)."""
+        """Experts found in memory (pinned, cached, kept mapped, or being loaded by a prefetch)."""
         def __get__(self):
             s = self.cache.stats
-            return s["hits_pin"] + s["hits_lru"] + s["prefetch_waits"] + s["inflight_waits"]
+            return s["hits_pin"] + s["hits_lru"] + s["hits_kept"] + s["prefetch_waits"] + s["inflight_waits"]
 
     property expert_misses:
         """Experts a forward had to read from disk itself."""
@@ -1710,7 +1710,8 @@ cdef class Model:
             return self.cache.stats["misses"]
 
     def io_stats(self):
-        """Disk figures: bytes read, seconds with at least one read in flight, read GB/s."""
+        """Disk figures: bytes read (mapped experts: the bytes their loads faulted in), seconds with
+        at least one read in flight, read GB/s."""
         busy = self._io.busy_s()
         return {"bytes_read": int(self.bytes_read), "disk_busy_s": busy,
                 "read_gb_s": (self.bytes_read / busy / 1e9) if busy > 0 else 0.0,
@@ -3018,10 +3019,11 @@ class _ExpertLayout:
     """Where one container expert lies on disk, worked out once: its three payloads (gate, up,
     down TensorInfos), their file order, whether they form one contiguous range (and each one's
     start in it), and the byte span of their three F32 scale vectors when those are adjacent.
-    Mapped experts (Model.mapped) also keep here their Expert, made once, and ``spans``: the
-    page-aligned (address, bytes) ranges of the mapping their tensors cover."""
+    Mapped experts (Model.mapped) also keep here their Expert, made once, ``spans``: the
+    page-aligned (address, bytes) ranges of the mapping their tensors cover (faulted in by a load),
+    and ``drops``: the same widened to the kernel's fault-around windows (dropped by a release)."""
     __slots__ = ("payloads", "order", "contiguous", "starts", "total", "scales", "scale_span", "expert",
-                 "spans")
+                 "spans", "drops")
 
     def __init__(self, st, names):
         p = self.payloads = [st.info(n) for n in names]
@@ -3042,25 +3044,31 @@ class _ExpertLayout:
                         for i in sc) and span == sum(i.nbytes for i in sc))
         self.scale_span = (lo, span) if adjacent else None
         self.expert = None
-        self.spans = None
+        self.spans = self.drops = None
 
     def map_spans(self, st):
-        """Set ``spans``: the payloads' range(s) and the scales' range(s) in st's mappings, widened
-        to whole pages (a page shared with a neighbour is faulted back in by whoever uses it next),
-        overlapping ranges merged."""
-        rs = []
-        for i in self.payloads + self.scales:
-            base = st.map(i.file_index).ctypes.data
-            rs.append([(base + i.offset) & ~(_PAGE - 1), (base + i.offset + i.nbytes + _PAGE - 1) & ~(_PAGE - 1)])
-        rs.sort()
-        out = [rs[0]]
-        for a, b in rs[1:]:
-            last = out[len(out) - 1]           # (no negative indices: the module has wraparound off)
-            if a <= last[1]:
-                last[1] = max(last[1], b)
-            else:
-                out.append([a, b])
-        self.spans = [(a, b - a) for a, b in out]
+        """Set ``spans`` and ``drops`` from st's mappings (see the class doc). A fault maps the
+        pages of its whole fault-around window that are in the page cache (64 KiB by default), so
+        a load maps a little of its neighbours' ranges too; a release drops those as well (a page
+        a neighbour in use loses is faulted back in when it is next touched)."""
+        def ranges(align):
+            rs = []
+            for i in self.payloads + self.scales:
+                m = st.map(i.file_index)
+                base, end = m.ctypes.data, m.ctypes.data + ((m.shape[0] + _PAGE - 1) & ~(_PAGE - 1))
+                rs.append([max((base + i.offset) & ~(align - 1), base),
+                           min((base + i.offset + i.nbytes + align - 1) & ~(align - 1), end)])
+            rs.sort()
+            out = [rs[0]]
+            for a, b in rs[1:]:
+                last = out[len(out) - 1]       # (no negative indices: the module has wraparound off)
+                if a <= last[1]:
+                    last[1] = max(last[1], b)
+                else:
+                    out.append([a, b])
+            return [(a, b - a) for a, b in out]
+        self.spans = ranges(_PAGE)
+        self.drops = ranges(max(_FAULT_AROUND, _PAGE))
 
 
 # -- the container mapping: pages in, pages out -----------------------------------------------
@@ -3092,6 +3100,7 @@ cdef extern from *:
     void coli_touch_pages(const unsigned char *p, size_t n, size_t page) nogil
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_FAULT_AROUND = 65536          # Linux's default fault_around_bytes
 cdef bint _populate_ok = COLI_MADV_POPULATE_READ >= 0
 
 

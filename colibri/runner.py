@@ -174,7 +174,9 @@ def tier_stats(model, tiers, wall_s: float) -> dict:
     t_disk, t_moe, t_attn = model.t_disk, model.t_moe, model.t_attn
     plan = tiers.plan
     return {
-        "hit_rate": cs["hit_rate"], "hits_pin": cs["hits_pin"], "hits_lru": cs["hits_lru"],
+        "hit_rate": cs["hit_rate"], "lru_hit_rate": cs["lru_hit_rate"], "hits_pin": cs["hits_pin"],
+        "hits_lru": cs["hits_lru"], "hits_kept": cs["hits_kept"], "kept_bytes": cs["kept_bytes"],
+        "experts_mapped": bool(getattr(model, "mapped", False)),
         "prefetch_waits": cs["prefetch_waits"], "misses": cs["misses"], "loads": cs["loads"],
         "read_gb_s": io["read_gb_s"], "disk_busy_s": io["disk_busy_s"],
         "prefetch_issued": cs["prefetch_issued"], "prefetch_loaded": cs["prefetch_loaded"],
@@ -191,10 +193,12 @@ def tier_stats(model, tiers, wall_s: float) -> dict:
 
 def tier_line(s: dict) -> str:
     looks = s["expert_hits"] + s["expert_misses"]
-    parts = [f"experts: hit {100 * s['hit_rate']:.1f}% (pinned {s['hits_pin']}, LRU {s['hits_lru']}, "
+    kept = f"kept mapped {s['hits_kept']}, " if s.get("experts_mapped") else ""
+    parts = [f"experts: hit {100 * s['hit_rate']:.1f}% (pinned {s['hits_pin']}, LRU {s['hits_lru']}, {kept}"
              f"prefetched in flight {s['prefetch_waits']}, missed {s['misses']} of {looks})",
-             f"read {s['bytes_read'] / 1e6:.1f} MB at {s['read_gb_s']:.2f} GB/s"]
-    if s["prefetch_issued"]:
+             f"{'mapped' if s.get('experts_mapped') else 'read'} {s['bytes_read'] / 1e6:.1f} MB at "
+             f"{s['read_gb_s']:.2f} GB/s"]
+    if s["prefetch_issued"] or s["prefetch_recall"]:
         parts.append(f"prefetch recall {100 * s['prefetch_recall']:.1f}%, {s['prefetch_loaded']} loaded, "
                      f"{s['prefetch_used']} used, {s['prefetch_wasted']} wasted")
     parts.append(f"time: disk wait {s['time_disk_wait_s']:.3f}s, expert matmul {s['time_expert_matmul_s']:.3f}s, "

@@ -189,6 +189,10 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
         kw["pin_bytes"] = sum(rows[layer] for layer, _ in items)
         t.plan = plan = _budget.plan_ram(**kw)
     model.cache.set_capacity(plan.capacity)
+    if getattr(model, "mapped", False):
+        # experts used in place in the file mapping: evicted ones stay mapped (in the RSS) within
+        # the plan's call allowance and page-cache reserve, whose pages they are
+        model.cache.set_keep_bytes(plan.call_bytes + plan.page_cache_reserve_bytes)
     model.cache_experts = plan.capacity
     model.pilot = bool(prefetch) and plan.capacity < c.n_experts
     return t
