@@ -2976,7 +2976,8 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.cache = ExpertCache(m.expert_load, cfg.n_layers + 1, m.cache_experts, io_threads=io_threads,
                           prefetch=mode != "off", n_experts=cfg.n_experts)
     m.pilot = mode != "off" and m.cache_experts < cfg.n_experts
-    m.lookahead = PrefetchPolicy(mode)
+    cache = m.cache
+    m.lookahead = PrefetchPolicy(mode, counters=lambda: cache.stats)   # judged by its reads as well as its time
     m.lookahead_on = True
     m.cache.overshoot = cfg.topk            # within the RAM plan's per-call allowance
     m._slabs = _SlabPool(2 * cfg.topk)

@@ -9,6 +9,13 @@ off, alternately until each setting has ``min_windows`` windows, then keeps the 
 median seconds per emitted token over its last few windows, and re-tries the other now and then
 (after ``probe_gap`` windows, a gap that doubles each time the probe loses). ``on`` and ``off`` fix
 it. Prefetching never changes the tokens (tested), only when the experts are read.
+
+Given the expert cache's counters (``counters``: a callable returning ``ExpertCache.stats``), a
+window with the prefetch on is also judged by its reads: one that loaded nothing (every predicted
+expert was in memory already: only the lookahead's router work was spent) or whose loads were
+wasted (evicted unused, or dropped) more often than used has lost whatever its time, and the
+policy turns the prefetch off at once and keeps it off until a later probe window (after
+``probe_gap`` windows, as above) pays in reads; then the times decide again.
 """
 from __future__ import annotations
 
@@ -33,8 +40,12 @@ class PrefetchPolicy:
     """Decides, iteration by iteration, whether the lookahead prefetch runs (see the module doc)."""
 
     def __init__(self, mode="auto", window: int = 8, min_windows: int = 2, keep: int = 3,
-                 first_probe_gap: int = 4, max_probe_gap: int = 32):
+                 first_probe_gap: int = 4, max_probe_gap: int = 32, counters=None):
         self.mode = parse_prefetch(mode)
+        self.counters = counters                # None, or () -> ExpertCache.stats
+        self.lost_on_reads = 0                  # prefetch windows lost by their reads (see the module doc)
+        self._at_start = None                   # the counters when the current window started
+        self._read_lost = False                 # the last prefetch window lost by its reads
         self.window = max(int(window), 1)
         self.min_windows = max(int(min_windows), 1)
         self.keep = max(int(keep), 1)
@@ -51,6 +62,8 @@ class PrefetchPolicy:
 
     def enabled(self) -> bool:
         """Whether the next iteration runs the lookahead."""
+        if self._in_window == 0 and self.mode == "auto" and self._setting and self.counters is not None:
+            self._at_start = _reads(self.counters())
         return self._setting
 
     def record(self, seconds: float, tokens: int) -> None:
@@ -65,15 +78,30 @@ class PrefetchPolicy:
             return
         self.costs[self._setting].append(self._seconds / self._tokens)
         self._in_window, self._seconds, self._tokens = 0, 0.0, 0
+        if self._setting:
+            self._read_lost = not self._reads_paid()
+            self.lost_on_reads += self._read_lost
         self._setting = self._next_setting()
+
+    def _reads_paid(self) -> bool:
+        """Whether the prefetch window that just ended loaded something and used at least as many
+        of its loads as it wasted (True when there are no counters to tell)."""
+        if self.counters is None or self._at_start is None:
+            return True
+        loaded, used, lost = (b - a for a, b in zip(self._at_start, _reads(self.counters())))
+        self._at_start = None
+        return loaded > 0 and used >= lost
 
     def _median(self, setting) -> float:
         return statistics.median(self.costs[setting][-self.keep:])
 
     def _next_setting(self) -> bool:
-        if min(len(self.costs[True]), len(self.costs[False])) < self.min_windows:
+        if self._read_lost:                                   # off whatever the times, until a probe pays
+            best = False
+        elif min(len(self.costs[True]), len(self.costs[False])) < self.min_windows:
             return not self._setting                          # measuring both, alternately
-        best = self._median(True) <= self._median(False)
+        else:
+            best = self._median(True) <= self._median(False)
         if self._probing:                                     # a probe window of the other setting ended
             self._probing = False
             if best != self._setting:                         # it lost: probe it less often
@@ -88,8 +116,15 @@ class PrefetchPolicy:
 
     def stats(self) -> dict:
         out = {"prefetch_mode": self.mode, "prefetch_on_iterations": self.iterations[True],
-               "prefetch_off_iterations": self.iterations[False]}
+               "prefetch_off_iterations": self.iterations[False],
+               "prefetch_windows_lost_on_reads": self.lost_on_reads}
         for setting, key in ((True, "on"), (False, "off")):
             if self.costs[setting]:
                 out[f"prefetch_{key}_s_per_token"] = self._median(setting)
         return out
+
+
+def _reads(stats) -> tuple:
+    """(loads, loads used, loads wasted or dropped) of the prefetch, from ExpertCache.stats."""
+    return (stats["prefetch_loaded"], stats["prefetch_used"],
+            stats["prefetch_wasted"] + stats["prefetch_dropped"])
