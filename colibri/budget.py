@@ -182,7 +182,8 @@ class RamPlan:
     work_bytes: int                 # forward scratch, activations, logits (the caller's number)
     mtp_bytes: int                  # the MTP row's LRU: capacity × mtp_expert_bytes (0 without MTP)
     buffers_bytes: int              # the prefetch thread's expert in flight (largest row's size)
-    page_cache_reserve_bytes: int   # counted only when experts stream from disk (see plan_ram)
+    page_cache_reserve_bytes: int   # counted only when experts stream from disk (see plan_ram); mapped
+                                    # experts evicted from the LRU stay mapped within it
     expert_bytes: int               # one expert of a main MoE layer
     n_moe_rows: int                 # main MoE layers (the MTP row is not counted here)
     capacity: int                   # experts per row in the LRU
@@ -238,7 +239,10 @@ def plan_ram(resident_bytes, kv_bytes, work_bytes, expert_bytes, n_moe_rows, n_e
       never holds more than n_experts.
     - buffers: with ``prefetch``, the one expert the prefetch thread may hold before inserting it.
     - page-cache reserve (default ``min(2.5 GB, bytes of all experts of all rows)``): room left to
-      the OS page cache under the loader. It is counted only when experts are expected to stream
+      the OS page cache under the loader. When the engine uses container experts in place in their
+      file mapping (``Model.mapped``), the experts evicted from the LRU stay mapped within this
+      reserve (the cache's kept tier): they are page-cache pages, counted in the process's RSS
+      while mapped, and a later use costs no read. It is counted only when experts are expected to stream
       from disk: ``streaming=None`` (auto) means "when the capacity is below n_experts" — a cache
       that holds every expert reads each one once and needs no page cache afterwards, and a reserve
       larger than the model's experts is pointless. ``streaming=True/False`` forces it.

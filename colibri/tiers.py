@@ -191,8 +191,9 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
     model.cache.set_capacity(plan.capacity)
     if getattr(model, "mapped", False):
         # experts used in place in the file mapping: evicted ones stay mapped (in the RSS) within
-        # the plan's call allowance and page-cache reserve, whose pages they are
-        model.cache.set_keep_bytes(plan.call_bytes + plan.page_cache_reserve_bytes)
+        # the plan's page-cache reserve, whose pages they are (the call allowance covers the
+        # experts a call adds to its row's LRU beyond capacity)
+        model.cache.set_keep_bytes(plan.page_cache_reserve_bytes)
     model.cache_experts = plan.capacity
     model.pilot = bool(prefetch) and plan.capacity < c.n_experts
     return t

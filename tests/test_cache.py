@@ -113,8 +113,8 @@ def check_prefetch_balance(s):
 
 
 def check_request_partition(s):
-    assert s["requests"] == (s["hits_pin"] + s["hits_lru"] + s["prefetch_waits"] + s["inflight_waits"]
-                             + s["misses"])
+    assert s["requests"] == (s["hits_pin"] + s["hits_lru"] + s["hits_kept"] + s["prefetch_waits"]
+                             + s["inflight_waits"] + s["misses"])
 
 
 # -- get(): order, identity, LRU ------------------------------------------------------------------
@@ -588,8 +588,102 @@ def test_set_capacity_trims_rows():
     c.close()
 
 
-def test_concurrent_gets_and_prefetches_stay_consistent():
+# -- the kept tier ----------------------------------------------------------------------------------
+
+def test_kept_tier_hands_evicted_experts_back_without_a_read():
+    c, ld = make(capacity=1, nbytes=100)
+    c.set_keep_bytes(1000)
+    released = []
+    c.on_evict = released.append
+    a = c.get(0, [1])[0]
+    c.get(0, [2])                                   # evicts 1 into the kept tier
+    assert c.tier(0, 1) == "kept" and c.kept() == [(0, 1)] and released == []
+    assert c.get(0, [1])[0] is a                    # the same object, no second load
+    assert ld.calls == [(0, 1), (0, 2)] and c.tier(0, 1) == "lru" and c.kept() == [(0, 2)]
+    s = c.stats
+    assert (s["hits_kept"], s["misses"], s["loads"], s["kept"], s["released"]) == (1, 2, 2, 2, 0)
+    assert (s["kept_experts"], s["kept_bytes"]) == (1, 100)
+    assert s["hit_rate"] == 1 / 3 and s["lru_hit_rate"] == 0.0
+    check_request_partition(s)
+    c.close()
+
+
+def test_kept_tier_releases_its_oldest_beyond_keep_bytes():
+    c, ld = make(capacity=1, nbytes=100)
+    c.set_keep_bytes(250)                           # two experts of 100 bytes
+    released = []
+    c.on_evict = released.append
+    for e in range(5):
+        c.get(0, [e])
+    # LRU [4]; evicted 0, 1, 2, 3 in that order: 0 and 1 released, 2 and 3 kept
+    assert c.kept() == [(0, 2), (0, 3)] and released == [ld.made[(0, 0)][0], ld.made[(0, 1)][0]]
+    c.get(1, [7])
+    c.get(1, [8])                                   # another row's eviction pushes out row 0's oldest
+    assert c.kept() == [(0, 3), (1, 7)] and released[2] is ld.made[(0, 2)][0]
+    c.set_keep_bytes(100)
+    assert c.kept() == [(1, 7)] and released[3] is ld.made[(0, 3)][0]
+    c.set_keep_bytes(0)
+    assert c.kept() == [] and c.stats["released"] == 5
+    c.get(2, [1])
+    c.get(2, [2])                                   # no kept tier: released at eviction
+    assert released[5] is ld.made[(2, 1)][0] and c.stats["kept_bytes"] == 0
+    with pytest.raises(ValueError, match="keep_bytes"):
+        c.set_keep_bytes(-1)
+    c.close()
+
+
+def test_kept_experts_are_not_prefetched_and_pins_adopt_them():
+    c, ld = make(capacity=1)
+    c.set_keep_bytes(10_000)
+    c.get(0, [1])
+    c.get(0, [2])
+    c.prefetch(0, [1, 3])                          # 1 is kept: only 3 is read
+    c.wait_prefetch()
+    assert ld.count((0, 1)) == 1 and ld.count((0, 3)) == 1
+    assert c.pin([(0, 1)]) == 100 and c.tier(0, 1) == "pin" and ld.count((0, 1)) == 1
+    assert (0, 1) not in c.kept()
+    c.close()
+
+
+def test_a_prefetch_that_cannot_be_placed_goes_to_the_kept_tier():
+    c, ld = make(capacity=1)
+    c.set_keep_bytes(10_000)
+    c.overshoot = 0
+    c.get(0, [1])
+    f = c.fetch(0, [1])                            # 1 in use: nothing may be evicted for a prefetch
+    c.prefetch(0, [5])
+    c.wait_prefetch()
+    f.wait()
+    s = c.stats
+    assert s["prefetch_dropped"] == 1 and c.tier(0, 5) == "kept"
+    assert c.get(0, [5])[0] is ld.made[(0, 5)][0] and ld.count((0, 5)) == 1
+    c.close()
+
+
+def test_guard_refuses_a_call_before_it_hands_out_experts():
+    c, ld = make(capacity=2)
+    c.get(0, [1])
+    seen = []
+
+    def guard(layer):
+        seen.append(layer)
+        if layer == 2:
+            raise DiskError("shard 0 shrank")
+    c.guard = guard
+    assert c.get(0, [1])[0] is ld.made[(0, 1)][0]
+    with pytest.raises(DiskError, match="shrank"):
+        c.get(2, [1])
+    assert seen == [0, 2] and ld.count((2, 1)) == 0 and c.tier(2, 1) is None
+    assert c.get(1, []) == [] and seen == [0, 2]    # an empty call hands out nothing
+    c.close()
+
+
+@pytest.mark.parametrize("keep_bytes", [0, 350])
+def test_concurrent_gets_and_prefetches_stay_consistent(keep_bytes):
     c, ld = make(capacity=3, n_rows=3, n_experts=10, io_threads=3, jitter=0.0005, seed=11)
+    c.set_keep_bytes(keep_bytes)
+    released = []
+    c.on_evict = released.append
     errors = []
     distinct = []
 
@@ -624,4 +718,13 @@ def test_concurrent_gets_and_prefetches_stay_consistent():
     assert int(c.usage.sum()) >= sum(distinct)
     assert all(len(c.lru_order(r)) <= 3 for r in range(3))
     assert all(c.tier(r, e) != "loading" for r in range(3) for e in range(10))
+    # every expert is in one tier at most; the kept tier stays within its bytes; released once each
+    held = [(r, e) for r in range(3) for e in c.lru_order(r)] + c.kept()
+    assert len(held) == len(set(held)) and s["kept_bytes"] <= keep_bytes
+    assert len(released) == s["released"] and len(set(map(id, released))) == len(released)
+    assert not any(o is h for o in released for h in c._kept.values())
+    if keep_bytes:
+        assert s["hits_kept"] > 0 and s["kept"] > 0
+    else:
+        assert s["hits_kept"] == 0 and s["kept_experts"] == 0
     c.close()

@@ -78,3 +78,72 @@ def test_run_reports_the_prefetch_decision(tmp_path):
     s = json.loads(stats.read_text())
     assert s["prefetch_mode"] == "auto"
     assert s["prefetch_on_iterations"] + s["prefetch_off_iterations"] == s["decode_forwards"]
+
+
+class FakeReads:
+    """ExpertCache.stats-like prefetch counters that grow by (loaded, used, wasted) per iteration
+    with the prefetch on."""
+
+    def __init__(self, loaded, used, wasted):
+        self.per_iteration = (loaded, used, wasted)
+        self.s = dict(prefetch_loaded=0, prefetch_used=0, prefetch_wasted=0, prefetch_dropped=0)
+
+    def __call__(self):
+        return dict(self.s)
+
+    def step(self, on):
+        if on:
+            for k, v in zip(("prefetch_loaded", "prefetch_used", "prefetch_wasted"), self.per_iteration):
+                self.s[k] += v
+
+
+def _drive_reads(policy, reads, cost_on, cost_off, iterations):
+    chosen = []
+    for _ in range(iterations):
+        on = policy.enabled()
+        chosen.append(on)
+        reads.step(on)
+        policy.record(cost_on if on else cost_off, 1)
+    return chosen
+
+
+@pytest.mark.parametrize("loaded,used,wasted", [(0, 0, 0), (4, 1, 3)])
+def test_a_prefetch_that_reads_nothing_or_wastes_its_reads_is_turned_off(loaded, used, wasted):
+    """Nothing to load (every predicted expert in memory), or more loads wasted than used: the
+    prefetch has lost after its first window, even when its windows happen to run faster."""
+    reads = FakeReads(loaded, used, wasted)
+    p = PrefetchPolicy("auto", window=4, counters=reads)
+    chosen = _drive_reads(p, reads, 0.009, 0.010, 400)
+    assert chosen[:4] == [True] * 4 and chosen[4:8] == [False] * 4      # off right after one window
+    assert sum(chosen) / len(chosen) < 0.1                              # only probes afterwards
+    assert p.lost_on_reads == sum(1 for i in range(0, 400, 4) if chosen[i]) and p.probe_gap > 4
+    assert p.stats()["prefetch_windows_lost_on_reads"] == p.lost_on_reads
+
+
+def test_a_prefetch_that_pays_in_reads_is_judged_by_its_time():
+    reads = FakeReads(4, 3, 1)
+    p = PrefetchPolicy("auto", window=4, counters=reads)
+    chosen = _drive_reads(p, reads, 0.009, 0.010, 400)
+    assert sum(chosen[100:]) / 300 > 0.85 and p.lost_on_reads == 0
+    p = PrefetchPolicy("auto", window=4, counters=reads)
+    chosen = _drive_reads(p, reads, 0.011, 0.010, 400)
+    assert sum(chosen[100:]) / 300 < 0.15
+
+
+def test_the_engine_turns_off_a_prefetch_with_nothing_to_load():
+    """Mapped experts kept in memory once used: the lookahead soon finds nothing to read, so auto
+    turns it off; the tokens are those of prefetch off."""
+    from colibri.models import default_model_dir
+    prompt = [3, 14, 15, 92, 65]
+    m = model_init(default_model_dir(), cache_experts=1, prefetch="auto")
+    assert m.mapped
+    m.lookahead = PrefetchPolicy("auto", window=2, counters=m.lookahead.counters)
+    m.cache.set_keep_bytes(10 ** 9)
+    auto, _ = decode(m, prompt, 40, 0)
+    s = m.lookahead.stats()
+    assert s["prefetch_windows_lost_on_reads"] >= 1
+    assert s["prefetch_on_iterations"] < s["prefetch_off_iterations"] / 3
+    off = model_init(default_model_dir(), cache_experts=1, prefetch="off")
+    assert decode(off, prompt, 40, 0)[0] == auto
+    m.close()
+    off.close()

@@ -23,9 +23,12 @@ def int4(tmp_path_factory):
     return dst
 
 
-def decode(path, n=20, **kw):
-    """Prefill 12 tokens, then n greedy steps: (tokens, logits of every step, model)."""
+def decode(path, n=20, keep=None, **kw):
+    """Prefill 12 tokens, then n greedy steps: (tokens, logits of every step, model). keep: the
+    size of the cache's kept tier (mapped experts; default: model_init's)."""
     m = model_init(path, **kw)
+    if keep is not None:
+        m.cache.set_keep_bytes(keep)
     ref = json.loads((DATA / "tiny_dsa" / "ref.json").read_text())
     ids = list(ref["prompt_ids"])
     m.kv_alloc(len(ids) + n + 1)
@@ -79,8 +82,9 @@ def test_present_experts_are_multiplied_during_reads_exactly(int4, monkeypatch):
     assert np.array_equal(logits, plain_logits) and np.array_equal(logits, base_logits)
 
 
-@pytest.mark.parametrize("kw", [dict(cache_experts=1, io_threads=2), dict(cache_experts=1, direct=True)])
-def test_shard_that_shrinks_while_decoding_is_a_clear_error(int4, tmp_path, kw):
+@pytest.mark.parametrize("kw", [dict(cache_experts=1, io_threads=2), dict(cache_experts=1, direct=True),
+                                dict(cache_experts=1, io_threads=2, read=True)])
+def test_shard_that_shrinks_while_decoding_is_a_clear_error(int4, tmp_path, monkeypatch, kw):
     """The container is cut short while a model streams its experts from it: the next call that
     must read a lost expert raises an error naming the file (from the overlapped MoE path, the
     prefetch thread or a plain read), without a hang or a crash, and the model can be closed."""
@@ -88,6 +92,9 @@ def test_shard_that_shrinks_while_decoding_is_a_clear_error(int4, tmp_path, kw):
     from colibri.st import ContainerError
     model = tmp_path / "m"
     shutil.copytree(int4, model)
+    kw = dict(kw)
+    if kw.pop("read", False):
+        monkeypatch.setenv("COLIBRI_MMAP", "0")     # experts read with pread (else mapped, unless direct)
     try:
         m = model_init(model, **kw)
     except ContainerError as e:                     # O_DIRECT unsupported here: said clearly
@@ -106,17 +113,22 @@ def test_shard_that_shrinks_while_decoding_is_a_clear_error(int4, tmp_path, kw):
     m.cache.close()
 
 
-def test_evicted_expert_buffers_are_reused_exactly(int4):
-    """Loads reuse the payload buffers of evicted experts once nothing references them; the
-    outputs stay bit-identical to a cache that never evicts."""
+def test_evicted_expert_buffers_are_reused_exactly(int4, monkeypatch):
+    """Loads reuse the payload buffers of evicted experts once nothing references them (experts
+    read with pread: COLIBRI_MMAP=0); the outputs stay bit-identical to a cache that never evicts."""
     base_tokens, base_logits, _ = decode(int4)
+    monkeypatch.setenv("COLIBRI_MMAP", "0")
     tokens, logits, m = decode(int4, cache_experts=1, prefetch=False)
     assert tokens == base_tokens and np.array_equal(logits, base_logits)
     assert m.io_stats()["buffers_reused"] > 0
 
 
-def test_prefetch_loads_into_the_cache_and_counts_recall(int4):
-    _, _, m = decode(int4, cache_experts=2)
+@pytest.mark.parametrize("mapped", [True, False])
+def test_prefetch_loads_into_the_cache_and_counts_recall(int4, monkeypatch, mapped):
+    if not mapped:
+        monkeypatch.setenv("COLIBRI_MMAP", "0")
+    _, _, m = decode(int4, cache_experts=2, keep=0)        # no kept tier: the prefetch has work to do
+    assert m.mapped == mapped
     s = m.cache.stats
     assert m.pilot and s["prefetch_issued"] > 0 and s["prefetch_loaded"] > 0
     assert 0.0 < s["prefetch_recall"] <= 1.0 and s["lookahead_true"] > 0
@@ -216,18 +228,22 @@ def test_stats_json_reports_tiers_disk_and_time(int4, tmp_path):
     assert "prefetch recall" in p.stderr and "disk wait" in p.stderr and "[RAM]" in p.stderr
 
 
-def test_peak_rss_stays_under_the_budget(int4, tmp_path):
+@pytest.mark.parametrize("cached,env", [("0", {}), ("1", {}), ("1", {"COLIBRI_MMAP": "0"})])
+def test_peak_rss_stays_under_the_budget(int4, tmp_path, cached, env):
+    """Every expert cached, or 1 per layer with the others mapped in place (kept within the
+    page-cache reserve) or read: the peak RSS fits a budget 5% above the plan's projection."""
     ref = json.loads((DATA / "tiny_dsa" / "ref.json").read_text())
     stats = tmp_path / "s.json"
     args = ["run", "--model", int4, "--prompt-ids", ",".join(map(str, ref["prompt_ids"])), "-n", 12, "-t", 0,
-            "--stats-json", stats]
-    p = colibri(*args, "--ram", 100)
+            "--cache-experts", cached, "--stats-json", stats]
+    p = colibri(*args, "--ram", 100, env=env)
     plan_peak = json.loads(stats.read_text())["projected_peak_bytes"]
     budget = plan_peak * 1.05
-    p = colibri(*args, "--ram", budget / 1e9)
+    p = colibri(*args, "--ram", budget / 1e9, env=env)
     assert p.returncode == 0, p.stderr
     s = json.loads(stats.read_text())
     assert s["peak_rss_bytes"] <= s["ram_budget_bytes"], (s["peak_rss_bytes"], s["ram_budget_bytes"])
+    assert s["experts_mapped"] == (not env)
 
 
 def test_tier_options_bad_input():

@@ -1,0 +1,121 @@
+"""Container experts used in place in a read-only mapping of their file (Model.mapped): no copy, the
+same tokens as experts read with pread, pages dropped from the RSS when the cache lets an expert go,
+and evicted experts kept mapped within the RAM plan's page-cache reserve."""
+import json
+
+import numpy as np
+import pytest
+
+from colibri import model_init, tiers
+from colibri.convert import ConvertOptions, convert
+from colibri.models import default_model_dir
+from conftest import DATA
+
+
+@pytest.fixture(scope="module")
+def int4(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("mapped_int4")
+    convert(DATA / "tiny_dsa", dst, ConvertOptions(expert_bits=4, dense_bits=4, io_bits=8), verbose=False)
+    return dst
+
+
+def decode(path, n=16, keep=None, **kw):
+    """Prefill the reference prompt, then n greedy steps: (tokens, logits of every step, model)."""
+    m = model_init(path, **kw)
+    if keep is not None:
+        m.cache.set_keep_bytes(keep)
+    ids = list(json.loads((DATA / "tiny_dsa" / "ref.json").read_text())["prompt_ids"])
+    m.kv_alloc(len(ids) + n + 1)
+    logits = [m.step(ids, 0)]
+    out = []
+    for i in range(n):
+        out.append(int(np.argmax(logits[-1])))
+        logits.append(m.step([out[-1]], len(ids) + i))
+    m.cache.wait_prefetch()
+    return out, np.stack(logits), m
+
+
+def rss_file_kb():
+    """File-backed resident pages of this process (the mapped experts among them), in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1])
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+def test_a_mapped_expert_is_a_view_of_its_file_and_made_once(int4):
+    m = model_init(int4, cache_experts=1)
+    assert m.mapped
+    layer = next(i for i in range(m.cfg.n_layers) if m.cfg.sparse[i])
+    before = m.bytes_read
+    E = m.expert_load(layer, 3)
+    info = m.st.info(f"model.layers.{layer}.mlp.experts.3.gate_proj.weight")
+    whole = m.st.map(info.file_index)
+    for W in (E.gate, E.up, E.down):
+        assert not W.data.flags.writeable and np.shares_memory(W.data, whole)
+        assert np.shares_memory(W.scale, whole)              # F32 scales are used in place too
+    assert np.array_equal(E.gate.data, m.st.read_raw(info.name))
+    assert E.nbytes == tiers.expert_disk_bytes(m, layer, 3) and m.bytes_read - before == E.nbytes
+    assert m.expert_load(layer, 3) is E                      # a later load faults the same pages in
+    assert m.bytes_read - before == 2 * E.nbytes
+    m.close()
+
+
+@pytest.mark.parametrize("kw", [dict(cache_experts=1, keep=0), dict(cache_experts=1),
+                                dict(cache_experts=2, prefetch="on", keep=0), dict(cache_experts=1, io_threads=1)])
+def test_mapped_experts_decode_exactly_like_read_ones(int4, monkeypatch, kw):
+    base_tokens, base_logits, full = decode(int4)
+    tokens, logits, m = decode(int4, **kw)
+    assert m.mapped and m.expert_misses > 0
+    monkeypatch.setenv("COLIBRI_MMAP", "0")
+    read_tokens, read_logits, r = decode(int4, **{k: v for k, v in kw.items() if k != "keep"})
+    assert not r.mapped and r.cache.keep_bytes == 0
+    assert tokens == read_tokens == base_tokens
+    assert np.array_equal(logits, read_logits) and np.array_equal(logits, base_logits)
+
+
+def test_released_experts_leave_the_rss_and_kept_ones_stay():
+    """With no kept tier an evicted expert's pages leave the RSS at once (they stay in the page
+    cache); with one, every expert of the layer stays mapped, and a later pass reads nothing."""
+    layer_bytes = {}
+    for keep in (0, 10 ** 9):
+        m = model_init(default_model_dir(), cache_experts=1, prefetch=False)      # 16 experts of ~100 KB
+        m.cache.set_keep_bytes(keep)
+        m.cache.get(2, [0])                          # everything imported, one layer's scales touched
+        m.cache.get(1, [0])
+        base = rss_file_kb()
+        for e in range(m.cfg.n_experts):
+            m.cache.get(1, [e])
+        layer_bytes[keep] = 1024 * (rss_file_kb() - base)
+        s = m.cache.stats
+        if keep:
+            assert s["released"] == 0 and s["kept_experts"] == m.cfg.n_experts - 1
+            loads = s["loads"]
+            for e in range(m.cfg.n_experts):
+                m.cache.get(1, [e])
+            assert m.cache.stats["loads"] == loads and m.cache.stats["hits_kept"] == m.cfg.n_experts
+        else:
+            assert s["released"] == m.cfg.n_experts - 1 and s["kept_experts"] == 0
+        m.close()
+    expert = tiers.expert_disk_bytes(m, 1)
+    assert layer_bytes[10 ** 9] >= 14 * expert                       # all but the first stay mapped
+    assert layer_bytes[0] <= 2 * expert + 2 * 65536                   # the one held (+ fault-around)
+
+
+def test_the_plan_sizes_the_kept_tier_and_direct_reads_do_not_map(int4):
+    m = model_init(int4, cache_experts=1)
+    t = tiers.configure(m, 64, requested=1, ram_gb=100, autopin=False)
+    assert t.plan.streaming and t.plan.page_cache_reserve_bytes > 0
+    assert m.cache.keep_bytes == t.plan.page_cache_reserve_bytes
+    full = model_init(int4)
+    tiers.configure(full, 64, requested=0, ram_gb=100, autopin=False)
+    assert full.mapped and full.cache.keep_bytes == 0                  # every expert cached: nothing evicted
+    try:
+        d = model_init(int4, cache_experts=1, direct=True)
+    except Exception as e:                       # a filesystem without O_DIRECT: said clearly
+        assert "O_DIRECT" in str(e)
+        return
+    assert not d.mapped and d.cache.keep_bytes == 0
+    tiers.configure(d, 64, requested=1, ram_gb=100, autopin=False)
+    assert d.cache.keep_bytes == 0
