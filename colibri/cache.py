@@ -47,7 +47,8 @@ Every successful prefetch load (``prefetch_loaded``) ends in exactly one of thes
   (``prefetch_waits`` counts those) or by its first hit in the LRU (later hits do not count again).
   An unused prefetched expert adopted by ``pin()`` also counts as used (its read was not wasted);
 - ``prefetch_dropped``: it could not be inserted (every LRU entry was protected or in use, or it was
-  pinned meanwhile) and was discarded;
+  pinned meanwhile) and was discarded (let go into the kept tier, when there is one and the cache
+  does not hold it already);
 - ``prefetch_wasted``: it was evicted from the LRU before any ``get()`` used it; ``close()`` adds
   the prefetched experts still unused at that moment;
 - ``prefetch_unused``: it sits in the LRU, not used yet (a snapshot; 0 after ``close()``).
