@@ -1403,6 +1403,8 @@ cdef class Model:
     cdef public bint overlap                      # multiply present experts while the others are read
     cdef public int prefill_chunk                 # rows of a forward's attention / FFN chunks (PREFILL_CHUNK)
     cdef public int stream_group                  # experts a long batch reads at a time (STREAM_GROUP)
+    cdef public bint stepped                      # decode / verify attention halves in one region (attend_step)
+    cdef public long stepped_calls                # layer forwards whose attention half took attend_step
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -1789,11 +1791,8 @@ cdef class Model:
         cdef bint sparse = self.has_dsa and L.index < c.n_layers
         if T > c.index_topk and self.indexer_absent:
             self.dense_past_topk = True
-        # q_a, kv_a (and the indexer's wk) share the input: one quantization, one parallel region
         if L.input_group is None:
-            ins = [L.q_a, L.kv_a] + ([L.iwk] if sparse and L.idx_full else [])
-            fit = all(int_qt(W, self.idot) and (<QT>W).c.I == (<QT>L.q_a).c.I for W in ins)
-            L.input_group = ins if fit else []
+            self._input_group(L, sparse)
         cdef bint together = len(L.input_group) > 0
         if together:
             outs = [ws.qr, ws.ckv, ws.ik] if len(L.input_group) == 3 else [ws.qr, ws.ckv]
@@ -1849,6 +1848,95 @@ cdef class Model:
                                     pos_base + s // H, s % H, H, dn, dr, dv, scale,
                                     &tbuf[threadid(), 0], &ctx[s // H, 0])
         self._mm(L.o_proj, &ctx[0, 0], S, &out[0, 0], ws)
+
+    def _input_group(self, Layer L, bint sparse):
+        """q_a, kv_a (and the indexer's wk) share the input: one quantization, one pass over their
+        groups, when all are integer matrices of that width (L.input_group; [] when not)."""
+        ins = [L.q_a, L.kv_a] + ([L.iwk] if sparse and L.idx_full else [])
+        fit = all(int_qt(W, self.idot) and (<QT>W).c.I == (<QT>L.q_a).c.I for W in ins)
+        L.input_group = ins if fit else []
+
+    def _attend_step(self, Layer L, float[:, ::1] x, int S, int pos_base, Work ws):
+        """The attention half of layer_forward for S <= ws.C rows in one parallel region
+        (attend_step): x += attention(norm(x)), ws.n = post_attention_layernorm(x), and an MoE
+        layer's routing in ws. Returns the batch union's expert count (0 for a dense layer), or -1
+        when the layer needs the per-call path (expanded attention, a DSA selection that runs,
+        float matrices): that path computes the same values, call by call."""
+        c = self.cfg
+        cdef int T = pos_base + S, k
+        cdef bint sparse = self.has_dsa and L.index < c.n_layers
+        if not self.stepped or S > ws.C or not self.absorbed_path(S, T):
+            return -1
+        if T > c.index_topk and self.indexer_absent:
+            self.dense_past_topk = True
+        if sparse and (T > c.index_topk or self.dsa_force):
+            return -1                           # the indexer selects keys: the per-call path
+        if L.input_group is None:
+            self._input_group(L, sparse)
+        if not L.input_group or not int_qt(L.q_b, self.idot) or not int_qt(L.o_proj, self.idot):
+            return -1
+        cdef int k0 = self.kv_start[L.index]
+        if k0 < 0 or k0 > pos_base:
+            raise EngineError(f"layer {L.index}: KV window starts at {k0}, after position {pos_base}")
+        cdef float[:, ::1] Lc = self.Lc[L.index], Rc = self.Rc[L.index]
+        if pos_base < 0 or T > Lc.shape[0]:
+            raise EngineError(f"KV rows {pos_base}..{T - 1} exceed the cache")
+        widest = max(c.hidden, c.q_lora, c.n_heads * c.v_head)
+        if 2 * <Py_ssize_t>S * widest > ws.xq.shape[0] or widest > ws.xr.shape[0] or \
+                2 * <Py_ssize_t>S * act_nblocks(widest, self.act_block) > ws.xs.shape[0]:
+            raise EngineError(f"attention of {S} rows exceeds the activation scratch")
+        cdef LayerStep P
+        cdef float[:, ::1] n = ws.n, a = ws.a, qr = ws.qr, ckv = ws.ckv, q = ws.q, ctx = ws.ctx
+        cdef float[:, ::1] tbuf = ws.tbuf, ik = ws.ik, Ic, rl = ws.rl, rw = ws.rw
+        cdef float[::1] in_ln = L.in_ln, post_ln = L.post_ln, qa_ln = L.q_a_ln, kv_ln = L.kv_a_ln
+        cdef float[::1] inv = self.inv_freq, kw, kb, bias, uw = ws.uw
+        cdef int[:, ::1] rsel = ws.rsel
+        cdef int[::1] upos = ws.upos, uniq = ws.uniq, ustart = ws.ustart, urow = ws.urow, nsel = ws.nsel
+        cdef uint8_t[::1] gb
+        P.S, P.D, P.H, P.dn, P.dr, P.dv = S, c.hidden, c.n_heads, c.qk_nope, c.qk_rope, c.v_head
+        P.Lq, P.Lkv, P.pos_base, P.k0, P.idot, P.block = c.q_lora, c.kv_lora, pos_base, k0, self.idot, self.act_block
+        P.eps, P.leps, P.scale = c.eps, LORA_NORM_EPS, c.attn_scale
+        P.x, P.n, P.a = &x[0, 0], &n[0, 0], &a[0, 0]
+        P.in_ln, P.post_ln, P.qa_ln, P.kv_ln, P.inv = &in_ln[0], &post_ln[0], &qa_ln[0], &kv_ln[0], &inv[0]
+        P.n_ins = len(L.input_group)
+        for k in range(P.n_ins):
+            P.ins[k] = &(<QT>L.input_group[k]).c
+        P.ins_y[0], P.ins_y[1], P.ins_y[2] = &qr[0, 0], &ckv[0, 0], &ik[0, 0]     # q_a, kv_a, wk
+        P.q_b, P.kv_b, P.o_proj = &L.q_b.c, &L.kv_b.c, &L.o_proj.c
+        P.qr, P.ckv, P.q, P.ctx = &qr[0, 0], &ckv[0, 0], &q[0, 0], &ctx[0, 0]
+        P.Lc, P.Rc = &Lc[0, 0], &Rc[0, 0]
+        P.Ic = NULL
+        if sparse and L.idx_full:
+            Ic = self.Ic[L.index]
+            kw, kb = L.ik_w, L.ik_b
+            P.Ic, P.ik, P.ik_w, P.ik_b = &Ic[0, 0], &ik[0, 0], &kw[0], &kb[0]
+            P.ihd, P.ieps = c.index_hd, INDEXER_NORM_EPS
+            for k in range(S):
+                nsel[k] = 0                     # the context fits index_topk: every key (as _dsa_select)
+        P.tbuf, P.tstride = &tbuf[0, 0], tbuf.shape[1]
+        P.xq, P.xs, P.xr, P.xm = &ws.xq[0], &ws.xs[0], &ws.xr[0], &ws.xm[0] if BLOCK_SUMS else NULL
+        P.xg = NULL
+        if self.grouped4:
+            gb = self._split_scratch(S, widest)
+            P.xg = &gb[0]
+        P.router = NULL
+        if L.sparse:
+            bias = L.router_bias
+            P.router, P.rbias, P.E, P.K = &L.router.c, &bias[0], c.n_experts, c.topk
+            P.norm_topk, P.rs = c.norm_topk, c.routed_scale
+            P.rl, P.rsel, P.rw = &rl[0, 0], &rsel[0, 0], &rw[0, 0]
+            P.upos, P.uniq, P.ustart, P.urow, P.uw = &upos[0], &uniq[0], &ustart[0], &urow[0], &uw[0]
+        P.nu, P.bad = 0, -1
+        cdef double macs = <double>S * (c.hidden * (c.q_lora + c.kv_lora) + c.q_lora * c.n_heads * c.qk_head
+                                        + c.n_heads * c.v_head * c.hidden)
+        P.nt = 1 if macs < PARALLEL_MIN_MACS else coli_max_threads()
+        with nogil:
+            attend_step(&P)
+        self.stepped_calls += 1
+        if P.bad >= 0:
+            raise EngineError(f"layer {L.index}: NaN in the router scores of row {P.bad} "
+                              "(non-finite activations or weights)")
+        return P.nu
 
     def absorbed_path(self, int S, int T):
         """Does a forward of S rows ending at T keys attend in the latent space? (--absorb; auto:
@@ -2032,8 +2120,19 @@ cdef class Model:
         self._mm(down, g, S, out, ws)
         return 0
 
-    def moe(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, Work ws):
-        """Routed experts (sigmoid router + correction bias, top-K, batch union) + shared expert."""
+    def moe(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, Work ws, int nu=-1):
+        """Routed experts (sigmoid router + correction bias, top-K, batch union) + shared expert.
+        nu >= 0: the routing is in ws already (attend_step made it), nu unique experts."""
+        if nu < 0:
+            nu = self._route(L, n, S, ws)
+        cdef int s, u, D = self.cfg.hidden
+        with nogil:
+            for s in range(S):
+                memset(&out[s, 0], 0, D * sizeof(float))
+        self._moe_experts(L, n, S, out, ws, nu)
+
+    def _route(self, Layer L, float[:, ::1] n, int S, Work ws):
+        """The router's top-K of every row and their batch union in ws; returns its expert count."""
         c = self.cfg
         cdef int E = c.n_experts, K = c.topk, D = c.hidden
         cdef int s, u, nu = 0, bad = -1
@@ -2052,11 +2151,15 @@ cdef class Model:
                     break
             if bad < 0:
                 nu = batch_union(&rsel[0, 0], &rw[0, 0], S, K, E, &upos[0], &uniq[0], &ustart[0], &urow[0], &uw[0])
-            for s in range(S):
-                memset(&out[s, 0], 0, D * sizeof(float))
         if bad >= 0:
             raise EngineError(f"layer {L.index}: NaN in the router scores of row {bad} "
                               "(non-finite activations or weights)")
+        return nu
+
+    def _moe_experts(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, Work ws, int nu):
+        """out [S, D] (zeroed) += the routed experts of the batch union in ws, then the shared expert."""
+        cdef int[::1] uniq = ws.uniq, ustart = ws.ustart
+        cdef int u
         if self.trace is not None:
             self.trace.append((self.forwards, L.index, S, [uniq[u] for u in range(nu)]))
         # Each unique expert once, in ascending id: gather its rows, FFN, scatter-add.
@@ -2222,12 +2325,32 @@ cdef class Model:
         path keeps the kv_b rows of earlier chunks), the MLP all S rows (each routed expert read
         once), so the result is the same as one batch."""
         cdef Work ws = self._work(S, pos_base + S)
-        cdef float[:, ::1] n = ws.n, a = ws.a, f = ws.out
+        cdef float[:, ::1] n = ws.n, f = ws.out
+        cdef int s, i, D = self.cfg.hidden
+        t0 = time.perf_counter()
+        cdef int nu = self._attend_step(L, x, S, pos_base, ws)         # decode / verify: one region
+        if nu < 0:      # one attention path for every chunk
+            self._attend_calls(L, x, S, pos_base, ws, self.absorbed_path(S, pos_base + S))
+        self.t_attn += time.perf_counter() - t0
+        if self.pilot and self.lookahead_on and S <= PILOT_MAX_ROWS and L.index + 1 < self.cfg.n_layers \
+                and self.layers[L.index + 1].sparse:
+            self.pilot_prefetch(self.layers[L.index + 1], x, S, ws)
+        if L.sparse:
+            self.moe(L, n, S, f, ws, nu)
+        else:
+            self.dense_mlp(L, n, S, f, ws)
+        with nogil:
+            for s in range(S):
+                for i in range(D):
+                    x[s, i] += f[s, i]
+
+    def _attend_calls(self, Layer L, float[:, ::1] x, int S, int pos_base, Work ws, bint absorbed):
+        """layer_forward's attention half call by call: x += attention(norm(x)) ws.C rows at a time,
+        then ws.n = post_attention_layernorm(x)."""
+        cdef float[:, ::1] n = ws.n, a = ws.a
         cdef float[::1] w1 = L.in_ln, w2 = L.post_ln
         cdef int s, i, c0, sc, D = self.cfg.hidden
         cdef float eps = self.cfg.eps
-        cdef bint absorbed = self.absorbed_path(S, pos_base + S)       # one path for every chunk
-        t0 = time.perf_counter()
         for c0 in range(0, S, ws.C):
             sc = min(ws.C, S - c0)
             with nogil:
@@ -2238,21 +2361,9 @@ cdef class Model:
                 for s in range(sc):
                     for i in range(D):
                         x[c0 + s, i] += a[s, i]
-        self.t_attn += time.perf_counter() - t0
         with nogil:
             for s in range(S):
                 rmsnorm_row(&n[s, 0], &x[s, 0], &w2[0], D, eps)
-        if self.pilot and self.lookahead_on and S <= PILOT_MAX_ROWS and L.index + 1 < self.cfg.n_layers \
-                and self.layers[L.index + 1].sparse:
-            self.pilot_prefetch(self.layers[L.index + 1], x, S, ws)
-        if L.sparse:
-            self.moe(L, n, S, f, ws)
-        else:
-            self.dense_mlp(L, n, S, f, ws)
-        with nogil:
-            for s in range(S):
-                for i in range(D):
-                    x[s, i] += f[s, i]
 
     def pilot_prefetch(self, Layer Nx, float[:, ::1] x, int S, Work ws):
         """Router lookahead (spec §7.7): layer Nx's router applied to the current post-attention
@@ -2575,7 +2686,7 @@ cdef class Model:
         self.bytes_read = self.forwards = 0
         self.decode_forwards = self.emitted = 0
         self.t_disk = self.t_attn = self.t_moe = 0.0
-        self.overlapped_calls = 0
+        self.overlapped_calls = self.stepped_calls = 0
         self.cache.reset_stats()
         self._io.reset()
 
@@ -2673,6 +2784,177 @@ cdef void attend_absorbed(const QTc *kv_b, const float *q, const float *Lc, cons
     softmax_inplace(sc, nk)
     coli_axpy_rows_f32(clat, Lkv, sc, Lc + first * Lkv, Lkv, keys, nk)
     qt_rowdots_f(kv_b, base + dn, dv, clat, ctx + h * dv)
+
+
+cdef struct LayerStep:
+    # One layer's attention half for S rows in one parallel region (attend_step): every pointer
+    # is checked by Model._attend_step before the region starts.
+    int S, D, H, dn, dr, dv, Lq, Lkv, pos_base, k0, idot, block, nt
+    float eps, leps, scale              # the layer norms' eps, q_a / kv_a norms' (LORA_NORM_EPS)
+    float *x                            # [S, D] residual (in/out)
+    float *n                            # [S, D] post-attention norm of x (out): the MLP input
+    float *a                            # [S, D] o_proj output
+    const float *in_ln                  # [D]
+    const float *post_ln                # [D]
+    const float *qa_ln                  # [Lq]
+    const float *kv_ln                  # [Lkv]
+    const float *inv                    # [dr / 2] rope inverse frequencies
+    const QTc *ins[MANY_MAX]            # q_a, kv_a (, the indexer's wk): one input, one pass
+    float *ins_y[MANY_MAX]              # their outputs qr [S, Lq], ckv [S, Lkv + dr] (, ik [S, ihd])
+    int n_ins
+    const QTc *q_b
+    const QTc *kv_b
+    const QTc *o_proj
+    float *qr                           # [S, Lq]
+    float *ckv                          # [S, Lkv + dr]
+    float *q                            # [S, H·(dn + dr)]
+    float *ctx                          # [S, H·dv]
+    float *Lc                           # [max_t, Lkv] this layer's latent cache
+    float *Rc                           # [max_t, dr] its rotated shared keys
+    float *Ic                           # [max_t, ihd] its indexer keys (NULL: the layer writes none)
+    float *ik                           # [S, ihd] the indexer's keys of these rows
+    const float *ik_w                   # [ihd] indexer k_norm weight, bias
+    const float *ik_b
+    int ihd
+    float ieps
+    float *tbuf                         # [nt, tstride] per-thread attention scratch
+    Py_ssize_t tstride
+    int8_t *xq                          # activation scratch (see matmul_qt)
+    float *xs
+    float *xr
+    int32_t *xm
+    uint8_t *xg                         # split activations (group-scaled int4; NULL: none)
+    # routing (MoE layers; router NULL: a dense layer)
+    const QTc *router                   # [E, D]
+    const float *rbias                  # [E]
+    int E, K
+    bint norm_topk
+    float rs
+    float *rl                           # [S, E] router logits
+    int *rsel                           # [S, K]
+    float *rw                           # [S, K]
+    int *upos                           # batch_union's scratch and results (see batch_union)
+    int *uniq
+    int *ustart
+    int *urow
+    float *uw
+    int nu                              # out: unique experts of the batch
+    int bad                             # out: first row with NaN router scores, or -1
+
+
+cdef inline void quant_split(const float *x, int S, int I, int block, int idot, int8_t *xq, float *xs,
+                             float *xr, int32_t *xm, uint8_t *xg, bint split) noexcept nogil:
+    """quant_rows of x [S, I] as matmul_qt makes them (and the split forms when split)."""
+    cdef int nb = act_nblocks(I, block)
+    quant_rows(x, S, I, I if nb == 1 else block, nb, idot, xq, xs, xr, xm)
+    if split:
+        split_rows(xq, (2 if idot == IDOT_Q8X2 else 1) * S, I, xg, coli_split_len(I))
+
+
+cdef inline void group_of(const QTc *W, int g, LayerStep *P, float *y) noexcept nogil:
+    """Work item g of the matmul y = x · Wᵀ whose activations quant_split left in P's scratch."""
+    cdef int nb = act_nblocks(W.I, P.block)
+    int_group(W, g, P.S, P.xq, P.xs, nb, W.I if nb == 1 else P.block, P.idot, y, P.xm, P.xg,
+              coli_split_len(W.I))
+
+
+cdef inline bint wants_split_of(const QTc *W, LayerStep *P) noexcept nogil:
+    return P.xg != NULL and wants_split(W, act_nblocks(W.I, P.block))
+
+
+cdef void attend_step(LayerStep *P) noexcept nogil:
+    """x += o_proj(attention(input_layernorm(x))); n = post_attention_layernorm(x); and for an MoE
+    layer its routing (router logits, top-K, batch union) — the absorbed path of Model.attention,
+    moe's routing and layer_forward's residual for S rows in ONE parallel region, phases
+    separated by the barriers that end each prange. Every value is computed by one thread with
+    the kernels and the order of the per-call path (matmul_many, kv_write, matmul_qt, the head
+    loop, route_row, batch_union), so the results are bit-identical to it. Decode and verify
+    batches take it when the DSA selection does not run (Model._attend_step decides)."""
+    cdef int S = P.S, D = P.D, H = P.H, dq = P.dn + P.dr, t, g, k, s, h, item, pos, e, total = 0
+    cdef int starts[MANY_MAX + 1]
+    cdef bint split
+    for k in range(P.n_ins):
+        starts[k] = total
+        total += n_groups(P.ins[k].O)
+    starts[P.n_ins] = total
+    split = False
+    for k in range(P.n_ins):
+        split = split or wants_split_of(P.ins[k], P)
+    with parallel(num_threads=P.nt):
+        t = threadid()
+        # 1. the layer input's norm and its Q8 form (one for q_a, kv_a and wk)
+        for item in prange(1, schedule='static'):
+            for s in range(S):
+                rmsnorm_row(P.n + <Py_ssize_t>s * D, P.x + <Py_ssize_t>s * D, P.in_ln, D, P.eps)
+            quant_split(P.n, S, D, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg, split)
+        # 2. q_a, kv_a (, wk): the groups of all of them in one pass
+        for g in prange(total, schedule='static'):
+            k = 0
+            while starts[k + 1] <= g:
+                k = k + 1
+            group_of(P.ins[k], g - starts[k], P, P.ins_y[k])
+        # 3. the KV rows of these positions; q_a's norm, quantized for q_b; the indexer keys
+        for item in prange(3, schedule='static'):
+            if item == 0:
+                for s in range(S):
+                    pos = P.pos_base + s
+                    rmsnorm_row(P.Lc + <Py_ssize_t>pos * P.Lkv, P.ckv + <Py_ssize_t>s * (P.Lkv + P.dr),
+                                P.kv_ln, P.Lkv, P.leps)
+                    memcpy(P.Rc + <Py_ssize_t>pos * P.dr, P.ckv + <Py_ssize_t>s * (P.Lkv + P.dr) + P.Lkv,
+                           P.dr * sizeof(float))
+                    rope_interleave(P.Rc + <Py_ssize_t>pos * P.dr, P.dr, pos, P.inv)
+            elif item == 1:
+                for s in range(S):
+                    rmsnorm_row(P.qr + <Py_ssize_t>s * P.Lq, P.qr + <Py_ssize_t>s * P.Lq, P.qa_ln, P.Lq, P.leps)
+                quant_split(P.qr, S, P.Lq, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
+                            wants_split_of(P.q_b, P))
+            elif P.Ic != NULL:
+                for s in range(S):
+                    pos = P.pos_base + s
+                    layernorm_row(P.ik + <Py_ssize_t>s * P.ihd, P.ik_w, P.ik_b, P.ihd, P.ieps)
+                    rope_interleave(P.ik + <Py_ssize_t>s * P.ihd, P.dr, pos, P.inv)
+                    memcpy(P.Ic + <Py_ssize_t>pos * P.ihd, P.ik + <Py_ssize_t>s * P.ihd, P.ihd * sizeof(float))
+        # 4. q_b
+        for g in prange(n_groups(P.q_b.O), schedule='static'):
+            group_of(P.q_b, g, P, P.q)
+        # 5. per (row, head): rotate the query's rope part, attend in the latent space
+        for item in prange(S * H, schedule='static'):
+            s = item // H
+            h = item % H
+            rope_interleave(P.q + <Py_ssize_t>s * H * dq + h * dq + P.dn, P.dr, P.pos_base + s, P.inv)
+            attend_absorbed(P.kv_b, P.q + <Py_ssize_t>s * H * dq, P.Lc, P.Rc, NULL, 0, P.k0,
+                            P.pos_base + s, h, H, P.dn, P.dr, P.dv, P.Lkv, P.scale,
+                            P.tbuf + t * P.tstride, P.ctx + <Py_ssize_t>s * H * P.dv)
+        # 6. o_proj
+        for item in prange(1, schedule='static'):
+            quant_split(P.ctx, S, H * P.dv, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
+                        wants_split_of(P.o_proj, P))
+        for g in prange(n_groups(P.o_proj.O), schedule='static'):
+            group_of(P.o_proj, g, P, P.a)
+        # 7. the residual and the MLP's input norm
+        for s in prange(S, schedule='static'):
+            for item in range(D):
+                P.x[<Py_ssize_t>s * D + item] += P.a[<Py_ssize_t>s * D + item]
+            rmsnorm_row(P.n + <Py_ssize_t>s * D, P.x + <Py_ssize_t>s * D, P.post_ln, D, P.eps)
+        # 8. routing (MoE layers): the router's logits, then top-K and the batch union
+        if P.router != NULL:
+            if P.router.fmt == FMT_F32 or P.idot == IDOT_FLOAT:
+                for item in prange(S * P.E, schedule='static'):
+                    P.rl[item] = qt_rowdot_f(P.router, item % P.E, P.n + <Py_ssize_t>(item // P.E) * D)
+            else:
+                for item in prange(1, schedule='static'):
+                    quant_split(P.n, S, D, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
+                                wants_split_of(P.router, P))
+                for g in prange(n_groups(P.E), schedule='static'):
+                    group_of(P.router, g, P, P.rl)
+            for item in prange(1, schedule='static'):
+                P.bad = -1
+                for s in range(S):
+                    if P.bad < 0 and route_row(P.rl + <Py_ssize_t>s * P.E, P.rbias, P.E, P.K, P.norm_topk,
+                                               P.rs, P.rsel + <Py_ssize_t>s * P.K, P.rw + <Py_ssize_t>s * P.K) != 0:
+                        P.bad = s
+                if P.bad < 0:
+                    P.nu = batch_union(P.rsel, P.rw, S, P.K, P.E, P.upos, P.uniq, P.ustart, P.urow, P.uw)
 
 
 cdef int dsa_topk(const float *qi, const float *w, const float *Ic, int nk, int nh, int hd, int topk,
@@ -2879,6 +3161,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.overlap = os.environ.get("COLIBRI_OVERLAP", "1") != "0"     # 0: for A/B measurements
     m.prefill_chunk = PREFILL_CHUNK
     m.stream_group = STREAM_GROUP
+    m.stepped = os.environ.get("COLIBRI_STEP", "1") != "0"       # 0: call by call, for A/B runs
     m.dsa_force = dsa_force
     m.dense_bits = dense_bits
     m.expert_bits = expert_bits

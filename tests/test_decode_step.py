@@ -1,0 +1,73 @@
+"""The attention half of decode and verify forwards in one parallel region (attend_step): the
+same values, bit for bit, as the call-by-call path (Model.attention, kv_write, the router), for
+every model kind, weight format and option that reaches it; forwards it cannot take (expanded
+attention, a DSA selection that runs, float matrices) fall back to the call-by-call path."""
+import numpy as np
+import pytest
+
+from colibri import model_init
+from colibri.convert import ConvertOptions, convert
+from conftest import DATA
+from test_no_indexer import _strip
+
+
+@pytest.fixture(scope="module")
+def containers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("step")
+    out = {}
+    for name, src, opts in [("int4", "tiny_dsa", ConvertOptions()),
+                            ("int8", "tiny_dsa", ConvertOptions(expert_bits=8, dense_bits=8)),
+                            ("int4_groups", "tiny_dsa", ConvertOptions(group_size=64)),
+                            ("mtp_int4", "tiny_mtp", ConvertOptions())]:
+        convert(DATA / src, root / name, opts, verbose=False)
+        out[name] = root / name
+    out["no_indexer"] = _strip(out["int4"], root / "bare", lambda k: ".indexer." in k)
+    return out
+
+
+def _run(m, stepped):
+    """Prompt of 6 (within tiny_dsa's index_topk of 8), decode across index_topk, a verify batch:
+    every logit row and the KV caches after."""
+    m.stepped = stepped
+    m.kv_alloc(24)
+    m.reset_stats()
+    logits = [m.step_all([(i * 37 + 11) % 256 for i in range(6)], 0)]
+    tok = int(np.argmax(logits[0][-1]))
+    for pos in range(6, 12):
+        logits.append(m.step([tok], pos))
+        tok = int(np.argmax(logits[-1]))
+    logits.append(m.step_all([tok, 3, 5], 12))
+    if m.has_mtp:
+        logits.append(m.mtp_draft(tok, 15, 2))
+    caches = [np.array(c) for c in list(m.Lc) + list(m.Rc) + (list(m.Ic) if m.Ic is not None else [])]
+    return logits, caches, m.stepped_calls
+
+
+CASES = [("int4", {}), ("int4", {"idot": 1}), ("int4", {"act_block": 64}), ("int8", {}),
+         ("int4_groups", {}), ("mtp_int4", {}), ("no_indexer", {}), ("int4", {"cache_experts": 2}),
+         ("tiny_dsa", {"dense_bits": 8, "expert_bits": 4}), ("tiny_dsa", {}), ("int4", {"dsa": False}),
+         ("int4", {"absorb": 1}), ("int4", {"absorb": 0}), ("int4", {"dsa_force": True})]
+
+
+@pytest.mark.parametrize("name,kw", CASES)
+def test_one_region_equals_call_by_call(containers, name, kw):
+    path = containers.get(name, DATA / name)
+    m = model_init(path, **kw)
+    off, caches_off, n_off = _run(m, False)
+    on, caches_on, n_on = _run(m, True)
+    assert n_off == 0
+    for a, b in zip(off, on):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(caches_off, caches_on):
+        np.testing.assert_array_equal(a, b)
+    L = m.cfg.n_layers
+    if name == "tiny_dsa" and not kw:
+        assert n_on == 0                      # f32 matrices: the call-by-call path
+    elif kw.get("absorb") == 0 or kw.get("dsa_force"):
+        assert n_on == 0                      # expanded attention / a selection on every forward
+    elif m.has_dsa:
+        # positions < index_topk (8): the prompt, decodes at 6 and 7; later ones select (fallback);
+        # the MTP layer has no indexer: its forwards all take the region
+        assert n_on == 3 * L if not m.has_mtp else n_on > 3 * L
+    else:
+        assert n_on == 8 * L                  # no selection: the prompt, 6 decodes, the verify batch
