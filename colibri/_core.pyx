@@ -16,7 +16,8 @@ import numpy as np
 from libc.stdint cimport int8_t, uint8_t, int32_t
 from libc.math cimport expf, sqrtf, sqrt, cosf, sinf, isnan
 from libc.string cimport memcpy, memset
-from libc.stdlib cimport qsort, malloc, free
+from libc.stdlib cimport qsort, malloc, calloc, free
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from cython.parallel cimport prange, threadid, parallel
 
 import threading
@@ -747,6 +748,24 @@ cdef struct FfnJob:
     Py_ssize_t xg0, hg0                 # split forms of its quantized inputs / hidden (group-scaled int4)
 
 
+cdef inline int fill_job(FfnJob *J, const QTc *gate, const QTc *up, const QTc *down, int row0, int p0,
+                         int nr, int w0, int D, int block, Py_ssize_t W, Py_ssize_t xgs,
+                         Py_ssize_t hgs) noexcept nogil:
+    """Job J: the FFN (gate, up, down) over the nr pairs from pair row0 of the scratch (a
+    group starting at pair p0), its gate/up work items from w0; its scratch at its pairs' place
+    (pair p: inputs at 2p rows of width D, hidden at p rows of the scratch's width W). Returns
+    the next group's first work item."""
+    cdef int nbD = act_nblocks(D, block)
+    J.gate, J.up, J.down = gate, up, down
+    J.nr, J.I, J.row0, J.w0, J.pabs = nr, gate.O, row0 - p0, w0, row0
+    J.nbI = act_nblocks(J.I, block)
+    J.blkI = J.I if J.nbI == 1 else block
+    J.x0, J.xs0, J.y0 = 2 * <Py_ssize_t>row0 * D, 2 * <Py_ssize_t>row0 * nbD, <Py_ssize_t>row0 * D
+    J.h0, J.hq0, J.hs0 = row0 * W, 2 * row0 * W, 2 * row0 * W
+    J.xg0, J.hg0 = 2 * row0 * xgs, 2 * row0 * hgs
+    return w0 + 2 * n_groups(J.I)
+
+
 cdef inline int job_of(const FfnJob *jobs, int nj, int item, bint by_work) noexcept nogil:
     """The job that owns a gate/up work item (by_work) or a (job, row) pair."""
     cdef int j = 0
@@ -1405,6 +1424,10 @@ cdef class Model:
     cdef public int stream_group                  # experts a long batch reads at a time (STREAM_GROUP)
     cdef public bint stepped                      # decode / verify attention halves in one region (attend_step)
     cdef public long stepped_calls                # layer forwards whose attention half took attend_step
+    cdef ExpertRef *etab                          # [(n_layers + 1) · E] the resident experts (cache.on_change)
+    cdef LayerStep *_steps                        # [n_layers] attend_step fields of each layer (_build_steps)
+    cdef object _steps_key                        # (Work, Lc, Ic, split scratch) _steps was built over
+    cdef object _rec                              # experts used in place per layer: (int32 [n_layers], [n_layers, S·K])
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -1856,47 +1879,41 @@ cdef class Model:
         fit = all(int_qt(W, self.idot) and (<QT>W).c.I == (<QT>L.q_a).c.I for W in ins)
         L.input_group = ins if fit else []
 
-    def _attend_step(self, Layer L, float[:, ::1] x, int S, int pos_base, Work ws):
-        """The attention half of layer_forward for S <= ws.C rows in one parallel region
-        (attend_step): x += attention(norm(x)), ws.n = post_attention_layernorm(x), and an MoE
-        layer's routing in ws. Returns the batch union's expert count (0 for a dense layer), or -1
-        when the layer needs the per-call path (expanded attention, a DSA selection that runs,
-        float matrices): that path computes the same values, call by call."""
+    def _step_ok(self, Layer L, int S, int T, Work ws):
+        """Can layer L's attention half for S rows ending at T keys take attend_step? (Else the
+        per-call path: expanded attention, a DSA selection that runs, float matrices.)"""
         c = self.cfg
-        cdef int T = pos_base + S, k
         cdef bint sparse = self.has_dsa and L.index < c.n_layers
         if not self.stepped or S > ws.C or not self.absorbed_path(S, T):
-            return -1
-        if T > c.index_topk and self.indexer_absent:
-            self.dense_past_topk = True
+            return False
         if sparse and (T > c.index_topk or self.dsa_force):
-            return -1                           # the indexer selects keys: the per-call path
+            return False                        # the indexer selects keys: the per-call path
         if L.input_group is None:
             self._input_group(L, sparse)
-        if not L.input_group or not int_qt(L.q_b, self.idot) or not int_qt(L.o_proj, self.idot):
-            return -1
-        cdef int k0 = self.kv_start[L.index]
-        if k0 < 0 or k0 > pos_base:
-            raise EngineError(f"layer {L.index}: KV window starts at {k0}, after position {pos_base}")
-        cdef float[:, ::1] Lc = self.Lc[L.index], Rc = self.Rc[L.index]
-        if pos_base < 0 or T > Lc.shape[0]:
-            raise EngineError(f"KV rows {pos_base}..{T - 1} exceed the cache")
+        return bool(L.input_group) and int_qt(L.q_b, self.idot) and int_qt(L.o_proj, self.idot)
+
+    cdef int _fill_step(self, Layer L, Work ws, LayerStep *P) except -1:
+        """P: layer L's weights, KV cache rows and ws's scratch for attend_step (the per-call
+        fields x, S, pos_base, k0, nt are the caller's); L must pass _step_ok."""
+        c = self.cfg
+        cdef int k
+        cdef bint sparse = self.has_dsa and L.index < c.n_layers
         widest = max(c.hidden, c.q_lora, c.n_heads * c.v_head)
-        if 2 * <Py_ssize_t>S * widest > ws.xq.shape[0] or widest > ws.xr.shape[0] or \
-                2 * <Py_ssize_t>S * act_nblocks(widest, self.act_block) > ws.xs.shape[0]:
-            raise EngineError(f"attention of {S} rows exceeds the activation scratch")
-        cdef LayerStep P
+        if 2 * <Py_ssize_t>ws.C * widest > ws.xq.shape[0] or widest > ws.xr.shape[0] or \
+                2 * <Py_ssize_t>ws.C * act_nblocks(widest, self.act_block) > ws.xs.shape[0]:
+            raise EngineError(f"attention of {ws.C} rows exceeds the activation scratch")
         cdef float[:, ::1] n = ws.n, a = ws.a, qr = ws.qr, ckv = ws.ckv, q = ws.q, ctx = ws.ctx
         cdef float[:, ::1] tbuf = ws.tbuf, ik = ws.ik, Ic, rl = ws.rl, rw = ws.rw
+        cdef float[:, ::1] Lc = self.Lc[L.index], Rc = self.Rc[L.index]
         cdef float[::1] in_ln = L.in_ln, post_ln = L.post_ln, qa_ln = L.q_a_ln, kv_ln = L.kv_a_ln
         cdef float[::1] inv = self.inv_freq, kw, kb, bias, uw = ws.uw
         cdef int[:, ::1] rsel = ws.rsel
         cdef int[::1] upos = ws.upos, uniq = ws.uniq, ustart = ws.ustart, urow = ws.urow, nsel = ws.nsel
         cdef uint8_t[::1] gb
-        P.S, P.D, P.H, P.dn, P.dr, P.dv = S, c.hidden, c.n_heads, c.qk_nope, c.qk_rope, c.v_head
-        P.Lq, P.Lkv, P.pos_base, P.k0, P.idot, P.block = c.q_lora, c.kv_lora, pos_base, k0, self.idot, self.act_block
+        P.D, P.H, P.dn, P.dr, P.dv = c.hidden, c.n_heads, c.qk_nope, c.qk_rope, c.v_head
+        P.Lq, P.Lkv, P.idot, P.block = c.q_lora, c.kv_lora, self.idot, self.act_block
         P.eps, P.leps, P.scale = c.eps, LORA_NORM_EPS, c.attn_scale
-        P.x, P.n, P.a = &x[0, 0], &n[0, 0], &a[0, 0]
+        P.n, P.a = &n[0, 0], &a[0, 0]
         P.in_ln, P.post_ln, P.qa_ln, P.kv_ln, P.inv = &in_ln[0], &post_ln[0], &qa_ln[0], &kv_ln[0], &inv[0]
         P.n_ins = len(L.input_group)
         for k in range(P.n_ins):
@@ -1905,19 +1922,17 @@ cdef class Model:
         P.q_b, P.kv_b, P.o_proj = &L.q_b.c, &L.kv_b.c, &L.o_proj.c
         P.qr, P.ckv, P.q, P.ctx = &qr[0, 0], &ckv[0, 0], &q[0, 0], &ctx[0, 0]
         P.Lc, P.Rc = &Lc[0, 0], &Rc[0, 0]
-        P.Ic = NULL
+        P.Ic, P.nsel = NULL, NULL
         if sparse and L.idx_full:
             Ic = self.Ic[L.index]
             kw, kb = L.ik_w, L.ik_b
             P.Ic, P.ik, P.ik_w, P.ik_b = &Ic[0, 0], &ik[0, 0], &kw[0], &kb[0]
-            P.ihd, P.ieps = c.index_hd, INDEXER_NORM_EPS
-            for k in range(S):
-                nsel[k] = 0                     # the context fits index_topk: every key (as _dsa_select)
+            P.ihd, P.ieps, P.nsel = c.index_hd, INDEXER_NORM_EPS, &nsel[0]
         P.tbuf, P.tstride = &tbuf[0, 0], tbuf.shape[1]
         P.xq, P.xs, P.xr, P.xm = &ws.xq[0], &ws.xs[0], &ws.xr[0], &ws.xm[0] if BLOCK_SUMS else NULL
         P.xg = NULL
         if self.grouped4:
-            gb = self._split_scratch(S, widest)
+            gb = self._split_scratch(ws.C, widest)
             P.xg = &gb[0]
         P.router = NULL
         if L.sparse:
@@ -1926,10 +1941,34 @@ cdef class Model:
             P.norm_topk, P.rs = c.norm_topk, c.routed_scale
             P.rl, P.rsel, P.rw = &rl[0, 0], &rsel[0, 0], &rw[0, 0]
             P.upos, P.uniq, P.ustart, P.urow, P.uw = &upos[0], &uniq[0], &ustart[0], &urow[0], &uw[0]
-        P.nu, P.bad = 0, -1
-        cdef double macs = <double>S * (c.hidden * (c.q_lora + c.kv_lora) + c.q_lora * c.n_heads * c.qk_head
-                                        + c.n_heads * c.v_head * c.hidden)
-        P.nt = 1 if macs < PARALLEL_MIN_MACS else coli_max_threads()
+        P.gate = P.up = P.down = NULL
+        if L.gate is not None:
+            P.gate, P.up, P.down = &L.gate.c, &L.up.c, &L.down.c
+        P.macs_row = (c.hidden * (c.q_lora + c.kv_lora) + c.q_lora * c.n_heads * c.qk_head
+                      + c.n_heads * c.v_head * c.hidden)
+        return 0
+
+    def _attend_step(self, Layer L, float[:, ::1] x, int S, int pos_base, Work ws):
+        """The attention half of layer_forward for S <= ws.C rows in one parallel region
+        (attend_step): x += attention(norm(x)), ws.n = post_attention_layernorm(x), and an MoE
+        layer's routing in ws. Returns the batch union's expert count (0 for a dense layer), or -1
+        when the layer needs the per-call path (see _step_ok): that path computes the same
+        values, call by call."""
+        c = self.cfg
+        cdef int T = pos_base + S
+        if not self._step_ok(L, S, T, ws):
+            return -1
+        if T > c.index_topk and self.indexer_absent:
+            self.dense_past_topk = True
+        cdef int k0 = self.kv_start[L.index]
+        if k0 < 0 or k0 > pos_base:
+            raise EngineError(f"layer {L.index}: KV window starts at {k0}, after position {pos_base}")
+        if pos_base < 0 or T > self.Lc[L.index].shape[0]:
+            raise EngineError(f"KV rows {pos_base}..{T - 1} exceed the cache")
+        cdef LayerStep P
+        self._fill_step(L, ws, &P)
+        P.x, P.S, P.pos_base, P.k0 = &x[0, 0], S, pos_base, k0
+        P.nt = 1 if <double>S * P.macs_row < PARALLEL_MIN_MACS else coli_max_threads()
         with nogil:
             attend_step(&P)
         self.stepped_calls += 1
@@ -2070,19 +2109,12 @@ cdef class Model:
                 fs.p_uw[r] = 1.0
         cdef FfnJob *J
         cdef Py_ssize_t W = fs.I, h = 0
-        cdef int nbD = act_nblocks(D, self.act_block)
         for j in range(nj):
             gate, up, down, row0, nr = ffns[j]
             J = &fs.jobs[j0 + j]
-            J.gate, J.up, J.down = &(<QT>gate).c, &(<QT>up).c, &(<QT>down).c
-            J.nr, J.I, J.row0, J.w0, J.pabs = nr, (<QT>gate).c.O, row0 - p0, nwork, row0
-            J.nbI = act_nblocks(J.I, self.act_block)
-            J.blkI = J.I if J.nbI == 1 else self.act_block
-            J.x0, J.xs0, J.y0 = 2 * row0 * D, 2 * row0 * nbD, row0 * D
-            J.h0, J.hq0, J.hs0 = row0 * W, 2 * row0 * W, 2 * row0 * W
-            J.xg0, J.hg0 = 2 * row0 * fs.xgs, 2 * row0 * fs.hgs
+            nwork = fill_job(J, &(<QT>gate).c, &(<QT>up).c, &(<QT>down).c, row0, p0, nr, nwork, D,
+                             self.act_block, W, fs.xgs, fs.hgs)
             h += nr * J.I
-            nwork += 2 * n_groups(J.I)
         cdef double macs = 3.0 * <double>h * D
         cdef int nt = 1 if macs < FUSED_MIN_MACS else coli_max_threads()
         cdef int block = self.act_block, idot = self.idot
@@ -2325,24 +2357,12 @@ cdef class Model:
         path keeps the kv_b rows of earlier chunks), the MLP all S rows (each routed expert read
         once), so the result is the same as one batch."""
         cdef Work ws = self._work(S, pos_base + S)
-        cdef float[:, ::1] n = ws.n, f = ws.out
-        cdef int s, i, D = self.cfg.hidden
         t0 = time.perf_counter()
         cdef int nu = self._attend_step(L, x, S, pos_base, ws)         # decode / verify: one region
         if nu < 0:      # one attention path for every chunk
             self._attend_calls(L, x, S, pos_base, ws, self.absorbed_path(S, pos_base + S))
         self.t_attn += time.perf_counter() - t0
-        if self.pilot and self.lookahead_on and S <= PILOT_MAX_ROWS and L.index + 1 < self.cfg.n_layers \
-                and self.layers[L.index + 1].sparse:
-            self.pilot_prefetch(self.layers[L.index + 1], x, S, ws)
-        if L.sparse:
-            self.moe(L, n, S, f, ws, nu)
-        else:
-            self.dense_mlp(L, n, S, f, ws)
-        with nogil:
-            for s in range(S):
-                for i in range(D):
-                    x[s, i] += f[s, i]
+        self._mlp_calls(L, x, S, ws, nu)
 
     def _attend_calls(self, Layer L, float[:, ::1] x, int S, int pos_base, Work ws, bint absorbed):
         """layer_forward's attention half call by call: x += attention(norm(x)) ws.C rows at a time,
@@ -2364,6 +2384,142 @@ cdef class Model:
         with nogil:
             for s in range(S):
                 rmsnorm_row(&n[s, 0], &x[s, 0], &w2[0], D, eps)
+
+    # -- the layers of a decode / verify forward in C ----------------------------------------------
+
+    def _on_cache_change(self, int layer, int eid, obj):
+        """The expert cache's on_change: mirror what it holds for (layer, eid) in self.etab."""
+        cdef ExpertRef *R
+        if self.etab == NULL or not 0 <= layer <= self.cfg.n_layers or not 0 <= eid < self.cfg.n_experts:
+            return
+        R = &self.etab[<Py_ssize_t>layer * self.cfg.n_experts + eid]
+        if obj is None:
+            R.gate = R.up = R.down = NULL
+        else:
+            R.gate, R.up, R.down = &(<Expert>obj).gate.c, &(<Expert>obj).up.c, &(<Expert>obj).down.c
+
+    def table_resident(self, int layer):
+        """The experts of a layer row that self.etab holds (the cache's pinned and LRU ones)."""
+        if self.etab == NULL or not 0 <= layer <= self.cfg.n_layers:
+            return []
+        return [e for e in range(self.cfg.n_experts)
+                if self.etab[<Py_ssize_t>layer * self.cfg.n_experts + e].gate != NULL]
+
+    def _layers_ok(self, int S, int pos_base, Work ws):
+        """Can every layer of this forward take layers_step? (attend_step for each, the fused MLP)"""
+        if not self.stepped or not self.fused or S > FUSED_MAX_ROWS or self.etab == NULL:
+            return False
+        for L in self.layers:
+            if not self._step_ok(L, S, pos_base + S, ws) or \
+                    (L.gate is not None and not (int_qt(L.gate, self.idot) and int_qt(L.up, self.idot)
+                                                 and int_qt(L.down, self.idot))):
+                return False
+        return True
+
+    cdef int _build_steps(self, Work ws) except -1:
+        """self._steps: every main layer's attend_step fields over ws and the KV caches (rebuilt
+        when either is replaced)."""
+        key = (ws, self.Lc, self.Ic)
+        if self._steps != NULL and self._steps_key is not None and \
+                all(a is b for a, b in zip(key, self._steps_key)) and self._gsplit is self._steps_key[3]:
+            return 0
+        cdef int nL = self.cfg.n_layers, l
+        if self._steps == NULL:
+            self._steps = <LayerStep *>calloc(nL, sizeof(LayerStep))
+            if self._steps == NULL:
+                raise MemoryError()
+        for l in range(nL):
+            self._fill_step(self.layers[l], ws, &self._steps[l])
+        self._steps_key = key + (self._gsplit,)
+        return 0
+
+    def _layers_c(self, float[:, ::1] x, int S, int pos_base):
+        """layers_forward of a decode / verify batch (see _layers_ok) through layers_step: each
+        layer's attention half in one region, its fused MLP in another, without Python between
+        layers. A layer whose MLP needs Python (an expert not resident, or router-lookahead
+        prefetch running this forward) is handed back after its attention half and finished
+        here through the cache, then the C loop goes on with the next layer."""
+        c = self.cfg
+        cdef Work ws = self._work(S, pos_base + S)
+        cdef int nL = c.n_layers, K = c.topk, l = 0, l2, done, i
+        cdef TokenStep T
+        self._build_steps(ws)
+        cdef FfnScratch fs = self._ffn_scratch(S * (K + 1), c.n_experts + 1, 0)
+        if self.grouped4:
+            fs.split_room()
+        if self._rec is None or self._rec[1].shape[1] < S * K:
+            self._rec = (np.zeros(nL, np.int32), np.zeros((nL, S * K), np.int32))
+        cdef int[::1] rec_nu = self._rec[0]
+        cdef int[:, ::1] rec_ids = self._rec[1]
+        cdef int[::1] k0 = np.asarray(self.kv_start[:nL], np.int32)
+        for l in range(nL):
+            if not 0 <= k0[l] <= pos_base:
+                raise EngineError(f"layer {l}: KV window starts at {k0[l]}, after position {pos_base}")
+        if pos_base < 0 or pos_base + S > self.Lc[0].shape[0]:
+            raise EngineError(f"KV rows {pos_base}..{pos_base + S - 1} exceed the cache")
+        if pos_base + S > c.index_topk and self.indexer_absent:
+            self.dense_past_topk = True
+        prefetching = self.pilot and self.lookahead_on and S <= PILOT_MAX_ROWS
+        T.steps, T.k0, T.nL, T.S, T.pos_base = self._steps, &k0[0], nL, S, pos_base
+        T.D, T.E, T.K, T.x, T.out = c.hidden, c.n_experts, K, &x[0, 0], &ws.out[0, 0]
+        T.etab = self.etab
+        # experts in place only while nothing else can evict them (no prefetch running or queued)
+        T.moe_c = not prefetching and (not self.pilot or self.cache.prefetch_idle())
+        T.handoff = prefetching             # the lookahead runs between a layer's two halves
+        T.jobs, T.xq, T.hq, T.xs, T.g, T.u = fs.jobs, fs.p_xq, fs.p_hq, fs.p_xs, fs.p_g, fs.p_u
+        T.hs, T.yd, T.xr, T.xr_stride, T.W = fs.p_hs, fs.p_yd, fs.p_xr, fs.xr_stride, fs.I
+        T.xm = fs.p_xm if BLOCK_SUMS else NULL
+        T.hm = fs.p_hm if BLOCK_SUMS else NULL
+        T.xg, T.hg, T.xgs, T.hgs, T.urow, T.uw = fs.p_xg, fs.p_hg, fs.xgs, fs.hgs, fs.p_urow, fs.p_uw
+        T.rec_nu, T.rec_ids, T.rec_stride = &rec_nu[0], &rec_ids[0, 0], rec_ids.shape[1]
+        T.t_attn = T.t_moe = 0.0
+        l = 0
+        while l < nL:
+            with nogil:
+                l2 = layers_step(&T, l, &done)
+            self.stepped_calls += l2 - l + done
+            self._note_in_place(l, l2, S)
+            if l2 >= nL:
+                break
+            L = self.layers[l2]
+            if T.bad >= 0:
+                raise EngineError(f"layer {l2}: NaN in the router scores of row {T.bad} "
+                                  "(non-finite activations or weights)")
+            self._mlp_calls(L, x, S, ws, self._steps[l2].nu)
+            l = l2 + 1
+        self.t_attn += T.t_attn
+        self.t_moe += T.t_moe
+
+    def _note_in_place(self, int l0, int l1, int S):
+        """The cache's bookkeeping (and the trace) for layers l0..l1-1 that layers_step finished
+        with resident experts used in place."""
+        cdef int l, nu
+        cdef int[::1] rec_nu = self._rec[0]
+        cdef int[:, ::1] rec_ids = self._rec[1]
+        for l in range(l0, l1):
+            nu = rec_nu[l]
+            if nu >= 0:
+                ids = [rec_ids[l, i] for i in range(nu)]
+                self.cache.note_hits(l, ids)
+                if self.trace is not None:
+                    self.trace.append((self.forwards, l, S, ids))
+
+    def _mlp_calls(self, Layer L, float[:, ::1] x, int S, Work ws, int nu):
+        """layer_forward's second half after its attention half (ws.n, the routing): the router
+        lookahead for the next layer, the MLP through the cache, the residual."""
+        cdef float[:, ::1] n = ws.n, f = ws.out
+        cdef int s, i, D = self.cfg.hidden
+        if self.pilot and self.lookahead_on and S <= PILOT_MAX_ROWS and L.index + 1 < self.cfg.n_layers \
+                and self.layers[L.index + 1].sparse:
+            self.pilot_prefetch(self.layers[L.index + 1], x, S, ws)
+        if L.sparse:
+            self.moe(L, n, S, f, ws, nu)
+        else:
+            self.dense_mlp(L, n, S, f, ws)
+        with nogil:
+            for s in range(S):
+                for i in range(D):
+                    x[s, i] += f[s, i]
 
     def pilot_prefetch(self, Layer Nx, float[:, ::1] x, int S, Work ws):
         """Router lookahead (spec §7.7): layer Nx's router applied to the current post-attention
@@ -2392,6 +2548,9 @@ cdef class Model:
         self.cache.prefetch(Nx.index, pred, protect=pred)
 
     def layers_forward(self, float[:, ::1] x, int S, int pos_base):
+        if self._layers_ok(S, pos_base, self._work(S, pos_base + S)):
+            self._layers_c(x, S, pos_base)
+            return
         for L in self.layers:
             self.layer_forward(L, x, S, pos_base)
 
@@ -2709,6 +2868,10 @@ cdef class Model:
             tot += self.eh_proj.nbytes + self.enorm.nbytes + self.hnorm.nbytes + self.mtp_norm.nbytes
         return tot
 
+    def __dealloc__(self):
+        free(self.etab)
+        free(self._steps)
+
     def close(self):
         if self.cache is not None:
             self.cache.close()
@@ -2840,6 +3003,11 @@ cdef struct LayerStep:
     float *uw
     int nu                              # out: unique experts of the batch
     int bad                             # out: first row with NaN router scores, or -1
+    int *nsel                           # [S] a full DSA layer's selection counts (set to 0: dense), or NULL
+    double macs_row                     # multiply-adds of the attention half per row (thread count)
+    const QTc *gate                     # the dense MLP, or the shared expert (gate NULL: none)
+    const QTc *up
+    const QTc *down
 
 
 cdef inline void quant_split(const float *x, int S, int I, int block, int idot, int8_t *xq, float *xs,
@@ -2877,6 +3045,7 @@ cdef void attend_step(LayerStep *P) noexcept nogil:
         starts[k] = total
         total += n_groups(P.ins[k].O)
     starts[P.n_ins] = total
+    P.nu, P.bad = 0, -1
     split = False
     for k in range(P.n_ins):
         split = split or wants_split_of(P.ins[k], P)
@@ -2886,6 +3055,8 @@ cdef void attend_step(LayerStep *P) noexcept nogil:
         for item in prange(1, schedule='static'):
             for s in range(S):
                 rmsnorm_row(P.n + <Py_ssize_t>s * D, P.x + <Py_ssize_t>s * D, P.in_ln, D, P.eps)
+                if P.nsel != NULL:
+                    P.nsel[s] = 0           # the context fits index_topk: every key (as _dsa_select)
             quant_split(P.n, S, D, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg, split)
         # 2. q_a, kv_a (, wk): the groups of all of them in one pass
         for g in prange(total, schedule='static'):
@@ -2955,6 +3126,138 @@ cdef void attend_step(LayerStep *P) noexcept nogil:
                         P.bad = s
                 if P.bad < 0:
                     P.nu = batch_union(P.rsel, P.rw, S, P.K, P.E, P.upos, P.uniq, P.ustart, P.urow, P.uw)
+
+
+cdef struct ExpertRef:
+    # A resident routed expert's matrices (the engine's mirror of the expert cache's tiers;
+    # gate NULL: not resident)
+    const QTc *gate
+    const QTc *up
+    const QTc *down
+
+
+cdef struct TokenStep:
+    # The layers of one decode / verify forward (layers_step); filled by Model._token_step.
+    LayerStep *steps                    # [nL] per layer (Model._steps), per-call fields set here
+    const int *k0                       # [nL] each layer's KV window start
+    int nL, S, pos_base, D, E, K
+    float *x                            # [S, D] the residual
+    float *out                          # [S, D] the MLP output (Work.out)
+    const ExpertRef *etab               # [nL + 1, E] resident experts
+    bint moe_c                          # MoE layers may take resident experts in place
+    bint handoff                        # every layer's MLP to Python (router lookahead this forward)
+    # the fused FFN group's scratch (FfnScratch)
+    FfnJob *jobs
+    int8_t *xq
+    int8_t *hq
+    float *xs
+    float *g
+    float *u
+    float *hs
+    float *yd
+    float *xr
+    Py_ssize_t xr_stride, W, xgs, hgs
+    int32_t *xm
+    int32_t *hm
+    uint8_t *xg
+    uint8_t *hg
+    int *urow
+    float *uw
+    int *rec_nu                         # out [nL]: experts of the layer used in place (-1: none)
+    int *rec_ids                        # out [nL, rec_stride]: their ids (the batch union)
+    Py_ssize_t rec_stride
+    int bad                             # out: router NaN row of the layer returned, or -1
+    double t_attn, t_moe                # out: seconds in the attention halves / the FFNs
+
+
+cdef inline double now_s() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + 1e-9 * ts.tv_nsec
+
+
+cdef inline bint fusable_c(const QTc *W, int idot) noexcept nogil:
+    return W != NULL and idot != IDOT_FLOAT and (W.fmt == FMT_I8 or W.fmt == FMT_I4)
+
+
+cdef int mlp_step(TokenStep *T, LayerStep *P, int l) noexcept nogil:
+    """T.out = the layer's MLP of P.n as Model.moe / dense_mlp compute it fused: the routed experts
+    of the batch union (ascending id, each on its rows and weights), then the shared expert on
+    every row; a dense layer its MLP. Returns 1 without computing when an expert is not resident
+    (or not fusable): the caller hands the layer's MLP to Python."""
+    cdef int S = P.S, D = P.D, u, e, i, nu = P.nu if P.router != NULL else 0, nj = 0, p = 0, nw = 0, nr
+    cdef const ExpertRef *R
+    cdef double h = 0.0
+    if T.handoff:
+        return 1
+    if P.router != NULL:
+        if not T.moe_c:
+            return 1
+        for u in range(nu):
+            R = &T.etab[<Py_ssize_t>l * T.E + P.uniq[u]]
+            if not (fusable_c(R.gate, P.idot) and fusable_c(R.up, P.idot) and fusable_c(R.down, P.idot)):
+                return 1
+    for u in range(nu + (1 if P.gate != NULL else 0)):
+        if u < nu:
+            R = &T.etab[<Py_ssize_t>l * T.E + P.uniq[u]]
+            nr = P.ustart[u + 1] - P.ustart[u]
+            for i in range(nr):
+                T.urow[p + i] = P.urow[P.ustart[u] + i]
+                T.uw[p + i] = P.uw[P.ustart[u] + i]
+            nw = fill_job(&T.jobs[nj], R.gate, R.up, R.down, p, 0, nr, nw, D, P.block, T.W, T.xgs, T.hgs)
+        else:                           # the shared expert (or the dense MLP): every row, weight 1
+            nr = S
+            for i in range(nr):
+                T.urow[p + i] = i
+                T.uw[p + i] = 1.0
+            nw = fill_job(&T.jobs[nj], P.gate, P.up, P.down, p, 0, nr, nw, D, P.block, T.W, T.xgs, T.hgs)
+        h += <double>nr * T.jobs[nj].I
+        p += nr
+        nj += 1
+    for i in range(S * D):
+        T.out[i] = 0.0
+    if nj > 0:
+        ffn_group(T.jobs, nj, p, nw, P.n, D, T.urow, T.uw, P.block, P.idot, T.xq, T.xs, T.g, T.u, T.hq,
+                  T.hs, T.yd, T.xr, T.xr_stride, T.out,
+                  1 if 3.0 * h * D < FUSED_MIN_MACS else coli_max_threads(), T.xm, T.hm, True,
+                  T.xg, T.xgs, T.hg, T.hgs)
+    return 0
+
+
+cdef int layers_step(TokenStep *T, int l0, int *attn_done) noexcept nogil:
+    """Layers l0.. of a forward of T.S rows, each in two parallel regions (attend_step, then the
+    fused MLP), without returning to Python: x += attention; x += mlp. Returns the first layer it
+    could not finish (T.nL: all done); *attn_done then says whether that layer's attention half
+    (and routing) is done, T.bad whether its router saw NaN. Layers finished here record the
+    experts they used in place (T.rec_nu, T.rec_ids) for the cache's bookkeeping."""
+    cdef int l, i, S = T.S
+    cdef LayerStep *P
+    cdef double t0
+    T.bad = -1
+    for l in range(l0, T.nL):
+        T.rec_nu[l] = -1
+        P = &T.steps[l]
+        P.x, P.S, P.pos_base, P.k0 = T.x, S, T.pos_base, T.k0[l]
+        P.nt = 1 if <double>S * P.macs_row < PARALLEL_MIN_MACS else coli_max_threads()
+        t0 = now_s()
+        attend_step(P)
+        T.t_attn += now_s() - t0
+        attn_done[0] = 1
+        if P.bad >= 0:
+            T.bad = P.bad
+            return l
+        t0 = now_s()
+        if mlp_step(T, P, l) != 0:
+            return l
+        T.t_moe += now_s() - t0
+        for i in range(S * T.D):
+            T.x[i] += T.out[i]
+        if P.router != NULL:
+            T.rec_nu[l] = P.nu
+            for i in range(P.nu):
+                T.rec_ids[l * T.rec_stride + i] = P.uniq[i]
+    attn_done[0] = 0
+    return T.nL
 
 
 cdef int dsa_topk(const float *qi, const float *w, const float *Ic, int nk, int nh, int hd, int topk,
@@ -3194,6 +3497,10 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.cache.overshoot = cfg.topk            # within the RAM plan's per-call allowance
     m._slabs = _SlabPool(2 * cfg.topk)
     m.cache.on_evict = m._slabs.recycle
+    m.etab = <ExpertRef *>calloc((cfg.n_layers + 1) * cfg.n_experts, sizeof(ExpertRef))
+    if m.etab == NULL:
+        raise MemoryError()
+    m.cache.on_change = m._on_cache_change
     m.reset_stats()
     return m
 

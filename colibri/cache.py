@@ -184,6 +184,10 @@ class ExpertCache:
         self.overshoot = 0
         # Called with an evicted expert (lock held, must be quick and must not call back).
         self.on_evict = None
+        # Called as on_change(layer, eid, expert or None) whenever the expert held for (layer, eid)
+        # changes: inserted into the LRU or the hot-store, or evicted (lock held, must be quick and
+        # must not call back). The engine mirrors the resident experts in a table of its own.
+        self.on_change = None
         self.usage = np.zeros((n_rows, n_experts), np.int64)
 
         self._lock = threading.Lock()
@@ -280,8 +284,13 @@ class ExpertCache:
                 return out
         return None
 
+    def _changed(self, layer, eid, obj):
+        if self.on_change is not None:
+            self.on_change(layer, eid, obj)
+
     def _evict(self, layer, e):
         ent = self._lru[layer].pop(e)
+        self._changed(layer, e, None)
         self._st["evictions"] += 1
         if ent.prefetched:
             self._st["prefetch_wasted"] += 1
@@ -305,6 +314,7 @@ class ExpertCache:
         for v in victims:
             self._evict(layer, v)
         lru[eid] = _Entry(obj, prefetched=True)
+        self._changed(layer, eid, obj)
 
     def _trim(self, layer):
         """Evict least recently used entries not in use until the row fits its capacity."""
@@ -367,6 +377,7 @@ class ExpertCache:
                 if ent is not None and ent.prefetched:
                     self._st["prefetch_used"] += 1
                 self._pins[p.layer][p.eid] = p.obj
+                self._changed(p.layer, p.eid, p.obj)
                 nb = int(p.obj.nbytes)
                 self._pinned_bytes += nb
                 added += nb
@@ -399,30 +410,9 @@ class ExpertCache:
         if not eids:
             f._result = []
             return f
-        st = self._st
         busy = self._busy[layer]
         with self._lock:
-            if self._closed:
-                raise RuntimeError("ExpertCache is closed")
-            row = self.usage[layer]
-            for e in eids:
-                row[e] += 1
-            if self._queue:
-                # prefetches of this row still queued are now late: this call reads what it needs,
-                # and a later load would only displace experts (counted as skipped)
-                stale = [q for q in self._queue if q[0] == layer]
-                if stale:
-                    self._queue = collections.deque(q for q in self._queue if q[0] != layer)
-                    for q in stale:
-                        self._queued.discard((q[0], q[1]))
-                    st["prefetch_skipped"] += len(stale)
-                    if not self._queue:
-                        self._cond.notify_all()
-            pred = self._pred.pop(layer, None)
-            if pred is not None:
-                st["lookahead_true"] += len(f.distinct)
-                st["lookahead_hit"] += sum(1 for e in f.distinct if e in pred)
-            st["requests"] += len(f.distinct)
+            self._account_request(layer, eids, f.distinct)
             for e in f.distinct:
                 busy[e] = busy.get(e, 0) + 1
         try:
@@ -432,6 +422,58 @@ class ExpertCache:
             raise
         f.ready = dict(f.found)
         return f
+
+    def _account_request(self, layer, eids, distinct):
+        """The counters of one call's request (lock held): usage, late prefetches of the row,
+        the lookahead's recall, requests."""
+        st = self._st
+        if self._closed:
+            raise RuntimeError("ExpertCache is closed")
+        row = self.usage[layer]
+        for e in eids:
+            row[e] += 1
+        if self._queue:
+            # prefetches of this row still queued are now late: this call reads what it needs,
+            # and a later load would only displace experts (counted as skipped)
+            stale = [q for q in self._queue if q[0] == layer]
+            if stale:
+                self._queue = collections.deque(q for q in self._queue if q[0] != layer)
+                for q in stale:
+                    self._queued.discard((q[0], q[1]))
+                st["prefetch_skipped"] += len(stale)
+                if not self._queue:
+                    self._cond.notify_all()
+        pred = self._pred.pop(layer, None)
+        if pred is not None:
+            st["lookahead_true"] += len(distinct)
+            st["lookahead_hit"] += sum(1 for e in distinct if e in pred)
+        st["requests"] += len(distinct)
+
+    def note_hits(self, layer: int, eids) -> None:
+        """Account a call whose experts were all resident and used in place (the engine's C path
+        looked them up in its mirror of the tiers, see on_change): the counters and the LRU order
+        a get() of the same experts makes. Raises KeyError if one is not resident."""
+        distinct = sorted(set(eids))
+        st = self._st
+        pins, lru = self._pins[layer], self._lru[layer]
+        with self._lock:
+            self._account_request(layer, eids, distinct)
+            for e in distinct:
+                if e in pins:
+                    st["hits_pin"] += 1
+                    continue
+                ent = lru[e]
+                st["hits_lru"] += 1
+                if ent.prefetched:
+                    ent.prefetched = False
+                    st["prefetch_used"] += 1
+                lru.move_to_end(e)
+
+    def prefetch_idle(self) -> bool:
+        """No prefetch queued or being loaded: until prefetch() is called again, only the caller's
+        own calls change what is resident."""
+        with self._lock:
+            return not self._queue and not self._pf_active
 
     def _start_round(self, f, remaining, inline):
         """Classify the experts `remaining` of fetch f: hits go to f.found; loads in flight are
@@ -535,6 +577,7 @@ class ExpertCache:
                 ent = lru.get(e)
                 if ent is None:
                     lru[e] = _Entry(obj)
+                    self._changed(layer, e, obj)
                 else:
                     if ent.prefetched:
                         ent.prefetched = False

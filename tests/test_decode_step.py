@@ -71,3 +71,38 @@ def test_one_region_equals_call_by_call(containers, name, kw):
         assert n_on == 3 * L if not m.has_mtp else n_on > 3 * L
     else:
         assert n_on == 8 * L                  # no selection: the prompt, 6 decodes, the verify batch
+
+
+def _cache_view(m, prefetch):
+    """The cache's counters and LRU order; with prefetch on, only what does not depend on when
+    the prefetch thread's loads finish."""
+    st = m.cache.stats
+    keys = ("requests", "prefetch_issued", "lookahead_true", "lookahead_hit")
+    if prefetch == "off":
+        keys += ("hits_pin", "hits_lru", "misses", "loads", "evictions")
+    lru = [m.cache.lru_order(l) for l in range(m.cfg.n_layers)] if prefetch == "off" else None
+    return {k: st[k] for k in keys}, lru, m.cache.usage.tolist()
+
+
+@pytest.mark.parametrize("prefetch", ["off", "on"])
+@pytest.mark.parametrize("pins", [0, 3])
+def test_experts_in_place_keep_the_cache_exact(containers, prefetch, pins):
+    """Resident experts used in place by the C layers account in the cache as a get() would
+    (hits, LRU order, usage, lookahead recall), and the engine's table mirrors the cache's
+    tiers through evictions and pins."""
+    views = []
+    for stepped in (False, True):
+        m = model_init(containers["int4"], cache_experts=2, prefetch=prefetch, dsa=False)
+        if pins:
+            m.cache.pin([(l, e) for l in range(m.cfg.first_dense, m.cfg.n_layers) for e in range(pins)])
+        logits, _, n = _run(m, stepped)
+        views.append((logits, _cache_view(m, prefetch)))
+        m.cache.wait_prefetch()
+        for l in range(m.cfg.n_layers + 1):
+            held = sorted(m.cache.lru_order(l) + m.cache.pinned(l))
+            assert m.table_resident(l) == held
+        m.close()
+    (la, va), (lb, vb) = views
+    for a, b in zip(la, lb):
+        np.testing.assert_array_equal(a, b)
+    assert va == vb
