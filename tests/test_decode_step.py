@@ -77,9 +77,9 @@ def _cache_view(m, prefetch):
     """The cache's counters and LRU order; with prefetch on, only what does not depend on when
     the prefetch thread's loads finish."""
     st = m.cache.stats
-    keys = ("requests", "prefetch_issued", "lookahead_true", "lookahead_hit")
+    keys = ("requests", "lookahead_true", "lookahead_hit")
     if prefetch == "off":
-        keys += ("hits_pin", "hits_lru", "misses", "loads", "evictions")
+        keys += ("hits_pin", "hits_lru", "misses", "loads", "evictions", "prefetch_issued")
     lru = [m.cache.lru_order(l) for l in range(m.cfg.n_layers)] if prefetch == "off" else None
     return {k: st[k] for k in keys}, lru, m.cache.usage.tolist()
 
