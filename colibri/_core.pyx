@@ -1427,6 +1427,8 @@ cdef class Model:
     cdef ExpertRef *etab                          # [(n_layers + 1) · E] the resident experts (cache.on_change)
     cdef LayerStep *_steps                        # [n_layers] attend_step fields of each layer (_build_steps)
     cdef object _steps_key                        # (Work, Lc, Ic, split scratch) _steps was built over
+    cdef object _c_layers                         # every layer's weights suit layers_step (None: not known yet)
+    cdef object _hbuf                             # the head's activation scratch (_head)
     cdef object _rec                              # experts used in place per layer: (int32 [n_layers], [n_layers, S·K])
 
     # -- loading -------------------------------------------------------------------------------
@@ -2406,15 +2408,18 @@ cdef class Model:
                 if self.etab[<Py_ssize_t>layer * self.cfg.n_experts + e].gate != NULL]
 
     def _layers_ok(self, int S, int pos_base, Work ws):
-        """Can every layer of this forward take layers_step? (attend_step for each, the fused MLP)"""
-        if not self.stepped or not self.fused or S > FUSED_MAX_ROWS or self.etab == NULL:
+        """Can every layer of this forward take layers_step? (attend_step for each (_step_ok), the
+        fused MLP); what does not depend on the forward is worked out once (_c_layers)."""
+        if not self.stepped or not self.fused or S > FUSED_MAX_ROWS or self.etab == NULL or not self.layers:
             return False
-        for L in self.layers:
-            if not self._step_ok(L, S, pos_base + S, ws) or \
-                    (L.gate is not None and not (int_qt(L.gate, self.idot) and int_qt(L.up, self.idot)
-                                                 and int_qt(L.down, self.idot))):
-                return False
-        return True
+        if self._c_layers is None:
+            self._c_layers = all(
+                self._step_ok(L, 1, 1, ws) and (L.gate is None or (int_qt(L.gate, self.idot) and
+                                                                  int_qt(L.up, self.idot) and
+                                                                  int_qt(L.down, self.idot)))
+                for L in self.layers)
+        # the conditions of _step_ok that depend on S and T are the same for every main layer
+        return self._c_layers and self._step_ok(self.layers[0], S, pos_base + S, ws)
 
     cdef int _build_steps(self, Work ws) except -1:
         """self._steps: every main layer's attend_step fields over ws and the KV caches (rebuilt
@@ -2582,25 +2587,30 @@ cdef class Model:
     def _head(self, h):
         """lm_head · h for every row of the normalized h [S, D] -> [S, V]."""
         h = np.ascontiguousarray(h, dtype=np.float32)
-        cdef int S = h.shape[0]
+        cdef int S = h.shape[0], D = self.cfg.hidden
+        cdef Py_ssize_t i, bad = -1
         logits = np.empty((S, self.lm_head.c.O), np.float32)
-        xq = np.empty(2 * S * self.cfg.hidden, np.int8)
-        xs = np.empty(2 * S * self.cfg.hidden, np.float32)
-        xr = np.empty(self.cfg.hidden, np.float32)
-        xm = np.empty(2 * S * self.cfg.hidden, np.int32)
+        if self._hbuf is None or self._hbuf[0].shape[0] < 2 * S * D:
+            self._hbuf = (np.empty(2 * S * D, np.int8), np.empty(2 * S * D, np.float32),
+                          np.empty(D, np.float32), np.empty(2 * S * D, np.int32))
         cdef float[:, ::1] hv = h, lv = logits
-        cdef int8_t[::1] qv = xq
-        cdef float[::1] sv = xs, rv = xr
-        cdef int32_t[::1] mv = xm
+        cdef int8_t[::1] qv = self._hbuf[0]
+        cdef float[::1] sv = self._hbuf[1], rv = self._hbuf[2]
+        cdef int32_t[::1] mv = self._hbuf[3]
+        cdef float *lp = &lv[0, 0]
         cdef uint8_t[::1] gb
         cdef uint8_t *xg = NULL
         if self.lm_head.c.gs > 0 and self.lm_head.c.fmt == FMT_I4:
-            gb = self._split_scratch(S, self.cfg.hidden)
+            gb = self._split_scratch(S, D)
             xg = &gb[0]
         with nogil:
-            matmul_qt(&self.lm_head.c, &hv[0, 0], S, &lv[0, 0], &qv[0], &sv[0], &rv[0], self.act_block, self.idot,
+            matmul_qt(&self.lm_head.c, &hv[0, 0], S, lp, &qv[0], &sv[0], &rv[0], self.act_block, self.idot,
                       &mv[0] if BLOCK_SUMS else NULL, xg)
-        if np.isnan(logits).any():
+            for i in range(<Py_ssize_t>S * self.lm_head.c.O):
+                if isnan(lp[i]):
+                    bad = i
+                    break
+        if bad >= 0:
             raise EngineError("NaN in the logits (non-finite activations or weights)")
         return logits
 
