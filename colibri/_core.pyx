@@ -1888,10 +1888,11 @@ cdef class Model:
         cdef bint sparse = self.has_dsa and L.index < c.n_layers
         if not self.stepped or S > ws.C or not self.absorbed_path(S, T):
             return False
-        if sparse and (T > c.index_topk or self.dsa_force):
-            return False                        # the indexer selects keys: the per-call path
         if L.input_group is None:
             self._input_group(L, sparse)
+        if sparse and L.idx_full and (T > c.index_topk or self.dsa_force) and \
+                not (int_qt(L.iwq, self.idot) and L.iwq.c.I == c.q_lora):
+            return False                        # the indexer selects keys with a float wq_b
         return bool(L.input_group) and int_qt(L.q_b, self.idot) and int_qt(L.o_proj, self.idot)
 
     cdef int _fill_step(self, Layer L, Work ws, LayerStep *P) except -1:
@@ -1906,6 +1907,8 @@ cdef class Model:
             raise EngineError(f"attention of {ws.C} rows exceeds the activation scratch")
         cdef float[:, ::1] n = ws.n, a = ws.a, qr = ws.qr, ckv = ws.ckv, q = ws.q, ctx = ws.ctx
         cdef float[:, ::1] tbuf = ws.tbuf, ik = ws.ik, Ic, rl = ws.rl, rw = ws.rw
+        cdef float[:, ::1] iq = ws.iq, iw = ws.iw, isc = ws.isc
+        cdef int[:, ::1] sel = ws.sel
         cdef float[:, ::1] Lc = self.Lc[L.index], Rc = self.Rc[L.index]
         cdef float[::1] in_ln = L.in_ln, post_ln = L.post_ln, qa_ln = L.q_a_ln, kv_ln = L.kv_a_ln
         cdef float[::1] inv = self.inv_freq, kw, kb, bias, uw = ws.uw
@@ -1924,12 +1927,20 @@ cdef class Model:
         P.q_b, P.kv_b, P.o_proj = &L.q_b.c, &L.kv_b.c, &L.o_proj.c
         P.qr, P.ckv, P.q, P.ctx = &qr[0, 0], &ckv[0, 0], &q[0, 0], &ctx[0, 0]
         P.Lc, P.Rc = &Lc[0, 0], &Rc[0, 0]
-        P.Ic, P.nsel = NULL, NULL
+        P.Ic, P.nsel, P.sel, P.wp_grouped = NULL, NULL, NULL, False
+        if sparse:
+            P.nsel, P.sel, P.topk, P.inh = &nsel[0], &sel[0, 0], sel.shape[1], c.index_nh
         if sparse and L.idx_full:
             Ic = self.Ic[L.index]
             kw, kb = L.ik_w, L.ik_b
             P.Ic, P.ik, P.ik_w, P.ik_b = &Ic[0, 0], &ik[0, 0], &kw[0], &kb[0]
-            P.ihd, P.ieps, P.nsel = c.index_hd, INDEXER_NORM_EPS, &nsel[0]
+            P.ihd, P.ieps, P.force = c.index_hd, INDEXER_NORM_EPS, self.dsa_force
+            P.iwq, P.iwp, P.iq, P.iw, P.isc = &L.iwq.c, &L.iwp.c, &iq[0, 0], &iw[0, 0], &isc[0, 0]
+            P.qscale, P.wscale = 1.0 / sqrt(c.index_hd), 1.0 / sqrt(c.index_nh)
+            if P.n_ins < MANY_MAX and int_qt(L.iwp, self.idot) and L.iwp.c.I == c.hidden:
+                P.ins[P.n_ins], P.ins_y[P.n_ins] = &L.iwp.c, &iw[0, 0]     # wp with the input group
+                P.n_ins += 1
+                P.wp_grouped = True
         P.tbuf, P.tstride = &tbuf[0, 0], tbuf.shape[1]
         P.xq, P.xs, P.xr, P.xm = &ws.xq[0], &ws.xs[0], &ws.xr[0], &ws.xm[0] if BLOCK_SUMS else NULL
         P.xg = NULL
@@ -2959,6 +2970,10 @@ cdef void attend_absorbed(const QTc *kv_b, const float *q, const float *Lc, cons
     qt_rowdots_f(kv_b, base + dn, dv, clat, ctx + h * dv)
 
 
+cdef enum:
+    DSA_KEY_BLOCK = 256     # keys per work item of the indexer's scores in attend_step
+
+
 cdef struct LayerStep:
     # One layer's attention half for S rows in one parallel region (attend_step): every pointer
     # is checked by Model._attend_step before the region starts.
@@ -3013,7 +3028,19 @@ cdef struct LayerStep:
     float *uw
     int nu                              # out: unique experts of the batch
     int bad                             # out: first row with NaN router scores, or -1
-    int *nsel                           # [S] a full DSA layer's selection counts (set to 0: dense), or NULL
+    # the DSA indexer (Ic NULL: the layer writes no keys; nsel NULL: it attends densely)
+    int *nsel                           # [S] the selection counts of the rows (0: every key)
+    int *sel                            # [S, topk] their selections (a shared layer reuses them)
+    int topk, inh                       # index_topk, indexer heads
+    bint force                          # select even when the context fits index_topk (--dsa-force)
+    const QTc *iwq                      # [inh·ihd, Lq] wq_b, with q_b on the quantized q_a output
+    const QTc *iwp                      # [inh, D] weights_proj (in the input group when wp_grouped)
+    bint wp_grouped
+    float *iq                           # [S, inh·ihd] indexer queries
+    float *iw                           # [S, inh] indexer head weights
+    float *isc                          # [2·ws.T] the key scores of one row (ScoreIdx pairs; _work gives
+                                        # every forward a scratch with ws.T >= its keys)
+    float qscale, wscale                # 1/√ihd, 1/√inh
     double macs_row                     # multiply-adds of the attention half per row (thread count)
     const QTc *gate                     # the dense MLP, or the shared expert (gate NULL: none)
     const QTc *up
@@ -3042,40 +3069,43 @@ cdef inline bint wants_split_of(const QTc *W, LayerStep *P) noexcept nogil:
 
 cdef void attend_step(LayerStep *P) noexcept nogil:
     """x += o_proj(attention(input_layernorm(x))); n = post_attention_layernorm(x); and for an MoE
-    layer its routing (router logits, top-K, batch union) — the absorbed path of Model.attention,
-    moe's routing and layer_forward's residual for S rows in ONE parallel region, phases
-    separated by the barriers that end each prange. Every value is computed by one thread with
-    the kernels and the order of the per-call path (matmul_many, kv_write, matmul_qt, the head
-    loop, route_row, batch_union), so the results are bit-identical to it. Decode and verify
-    batches take it when the DSA selection does not run (Model._attend_step decides)."""
-    cdef int S = P.S, D = P.D, H = P.H, dq = P.dn + P.dr, t, g, k, s, h, item, pos, e, total = 0
+    layer its routing (router logits, top-K, batch union) — the absorbed path of Model.attention
+    (with the DSA indexer's selection when it runs), moe's routing and layer_forward's residual
+    for S rows in ONE parallel region, phases separated by the barriers that end each prange.
+    Every value is computed by one thread with the kernels and the order of the per-call path
+    (matmul_many, kv_write, matmul_qt, _dsa_select, the head loop, route_row, batch_union), so
+    the results are bit-identical to it; the indexer's key scores of a row are shared out among
+    the threads. Decode and verify batches take it (Model._step_ok decides)."""
+    cdef int S = P.S, D = P.D, H = P.H, dq = P.dn + P.dr, T = P.pos_base + P.S, t, g, k, s, h, item
+    cdef int pos, nk, r, total = 0, nq
     cdef int starts[MANY_MAX + 1]
-    cdef bint split
+    cdef bint split = False, select = P.Ic != NULL and (T > P.topk or P.force)
+    cdef ScoreIdx *pairs = <ScoreIdx *>P.isc
     for k in range(P.n_ins):
         starts[k] = total
         total += n_groups(P.ins[k].O)
-    starts[P.n_ins] = total
-    P.nu, P.bad = 0, -1
-    split = False
-    for k in range(P.n_ins):
         split = split or wants_split_of(P.ins[k], P)
+    starts[P.n_ins] = total
+    nq = n_groups(P.q_b.O)
+    P.nu, P.bad = 0, -1
     with parallel(num_threads=P.nt):
         t = threadid()
-        # 1. the layer input's norm and its Q8 form (one for q_a, kv_a and wk)
+        # 1. the layer input's norm and its Q8 form (one for q_a, kv_a, wk and wp)
         for item in prange(1, schedule='static'):
             for s in range(S):
                 rmsnorm_row(P.n + <Py_ssize_t>s * D, P.x + <Py_ssize_t>s * D, P.in_ln, D, P.eps)
-                if P.nsel != NULL:
+                if P.Ic != NULL and not select:
                     P.nsel[s] = 0           # the context fits index_topk: every key (as _dsa_select)
             quant_split(P.n, S, D, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg, split)
-        # 2. q_a, kv_a (, wk): the groups of all of them in one pass
+        # 2. q_a, kv_a (, wk, wp): the groups of all of them in one pass
         for g in prange(total, schedule='static'):
             k = 0
             while starts[k + 1] <= g:
                 k = k + 1
             group_of(P.ins[k], g - starts[k], P, P.ins_y[k])
-        # 3. the KV rows of these positions; q_a's norm, quantized for q_b; the indexer keys
-        for item in prange(3, schedule='static'):
+        # 3. the KV rows of these positions; q_a's norm, quantized for q_b (and wq); the indexer
+        # keys; the indexer's head weights when wp is a float matrix
+        for item in prange(4, schedule='static'):
             if item == 0:
                 for s in range(S):
                     pos = P.pos_base + s
@@ -3088,36 +3118,58 @@ cdef void attend_step(LayerStep *P) noexcept nogil:
                 for s in range(S):
                     rmsnorm_row(P.qr + <Py_ssize_t>s * P.Lq, P.qr + <Py_ssize_t>s * P.Lq, P.qa_ln, P.Lq, P.leps)
                 quant_split(P.qr, S, P.Lq, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
-                            wants_split_of(P.q_b, P))
-            elif P.Ic != NULL:
+                            wants_split_of(P.q_b, P) or (select and wants_split_of(P.iwq, P)))
+            elif item == 2 and P.Ic != NULL:
                 for s in range(S):
                     pos = P.pos_base + s
                     layernorm_row(P.ik + <Py_ssize_t>s * P.ihd, P.ik_w, P.ik_b, P.ihd, P.ieps)
                     rope_interleave(P.ik + <Py_ssize_t>s * P.ihd, P.dr, pos, P.inv)
                     memcpy(P.Ic + <Py_ssize_t>pos * P.ihd, P.ik + <Py_ssize_t>s * P.ihd, P.ihd * sizeof(float))
-        # 4. q_b
-        for g in prange(n_groups(P.q_b.O), schedule='static'):
-            group_of(P.q_b, g, P, P.q)
-        # 5. per (row, head): rotate the query's rope part, attend in the latent space
+            elif item == 3 and select and not P.wp_grouped:
+                for s in range(S):
+                    for h in range(P.inh):
+                        P.iw[s * P.inh + h] = qt_rowdot_f(P.iwp, h, P.n + <Py_ssize_t>s * D)
+        # 4. q_b (and the indexer's wq): groups over the quantized q_a output
+        for g in prange(nq + (n_groups(P.iwq.O) if select else 0), schedule='static'):
+            if g < nq:
+                group_of(P.q_b, g, P, P.q)
+            else:
+                group_of(P.iwq, g - nq, P, P.iq)
+        # 5. the DSA selection of each row: rotated indexer queries, key scores shared out, top-k
+        if select:
+            for item in prange(S * P.inh, schedule='static'):
+                rope_interleave(P.iq + <Py_ssize_t>item * P.ihd, P.dr, P.pos_base + item // P.inh, P.inv)
+            for r in range(S):
+                nk = P.pos_base + r + 1
+                for g in prange((nk + DSA_KEY_BLOCK - 1) // DSA_KEY_BLOCK, schedule='static'):
+                    dsa_scores(P.iq + <Py_ssize_t>r * P.inh * P.ihd, P.iw + r * P.inh, P.Ic, g * DSA_KEY_BLOCK,
+                               nk if nk < (g + 1) * DSA_KEY_BLOCK else (g + 1) * DSA_KEY_BLOCK,
+                               P.inh, P.ihd, P.qscale, P.wscale, pairs)
+                for item in prange(1, schedule='static'):
+                    P.nsel[r] = dsa_pick(pairs, nk, P.topk, P.sel + <Py_ssize_t>r * P.topk)
+        # 6. per (row, head): rotate the query's rope part, attend in the latent space (over the
+        # DSA selection of the row when the layer has one with keys in it)
         for item in prange(S * H, schedule='static'):
             s = item // H
             h = item % H
             rope_interleave(P.q + <Py_ssize_t>s * H * dq + h * dq + P.dn, P.dr, P.pos_base + s, P.inv)
-            attend_absorbed(P.kv_b, P.q + <Py_ssize_t>s * H * dq, P.Lc, P.Rc, NULL, 0, P.k0,
+            attend_absorbed(P.kv_b, P.q + <Py_ssize_t>s * H * dq, P.Lc, P.Rc,
+                            P.sel + <Py_ssize_t>s * P.topk if P.nsel != NULL else NULL,
+                            P.nsel[s] if P.nsel != NULL else 0, P.k0,
                             P.pos_base + s, h, H, P.dn, P.dr, P.dv, P.Lkv, P.scale,
                             P.tbuf + t * P.tstride, P.ctx + <Py_ssize_t>s * H * P.dv)
-        # 6. o_proj
+        # 7. o_proj
         for item in prange(1, schedule='static'):
             quant_split(P.ctx, S, H * P.dv, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
                         wants_split_of(P.o_proj, P))
         for g in prange(n_groups(P.o_proj.O), schedule='static'):
             group_of(P.o_proj, g, P, P.a)
-        # 7. the residual and the MLP's input norm
+        # 8. the residual and the MLP's input norm
         for s in prange(S, schedule='static'):
             for item in range(D):
                 P.x[<Py_ssize_t>s * D + item] += P.a[<Py_ssize_t>s * D + item]
             rmsnorm_row(P.n + <Py_ssize_t>s * D, P.x + <Py_ssize_t>s * D, P.post_ln, D, P.eps)
-        # 8. routing (MoE layers): the router's logits, then top-K and the batch union
+        # 9. routing (MoE layers): the router's logits, then top-K and the batch union
         if P.router != NULL:
             if P.router.fmt == FMT_F32 or P.idot == IDOT_FLOAT:
                 for item in prange(S * P.E, schedule='static'):
@@ -3274,13 +3326,18 @@ cdef int dsa_topk(const float *qi, const float *w, const float *Ic, int nk, int 
                   float qscale, float wscale, bint force, float *buf, int *sel) noexcept nogil:
     """Select the top-k keys of one query; returns the count (0 = context fits: attend densely).
     buf holds nk ScoreIdx pairs (2 floats each). The selection is returned in ascending position."""
-    cdef int t, h, keep
-    cdef float acc, d
-    cdef ScoreIdx *pairs = <ScoreIdx *>buf
     if nk <= topk and not force:
         return 0
-    keep = nk if nk < topk else topk
-    for t in range(nk):
+    dsa_scores(qi, w, Ic, 0, nk, nh, hd, qscale, wscale, <ScoreIdx *>buf)
+    return dsa_pick(<ScoreIdx *>buf, nk, topk, sel)
+
+
+cdef inline void dsa_scores(const float *qi, const float *w, const float *Ic, int t0, int t1, int nh, int hd,
+                            float qscale, float wscale, ScoreIdx *pairs) noexcept nogil:
+    """pairs[t] = (Σ_h w_h·wscale·relu(q_h·k_t·qscale), t) for the keys t0 <= t < t1."""
+    cdef int t, h
+    cdef float acc, d
+    for t in range(t0, t1):
         acc = 0.0
         for h in range(nh):
             d = coli_dot_f32(qi + h * hd, Ic + <Py_ssize_t>t * hd, hd) * qscale
@@ -3288,6 +3345,11 @@ cdef int dsa_topk(const float *qi, const float *w, const float *Ic, int nk, int 
                 acc = acc + (w[h] * wscale) * d
         pairs[t].v = acc
         pairs[t].t = t
+
+
+cdef inline int dsa_pick(ScoreIdx *pairs, int nk, int topk, int *sel) noexcept nogil:
+    """The min(nk, topk) keys of highest score (ties: lower position first), in ascending position."""
+    cdef int t, keep = nk if nk < topk else topk
     qsort(pairs, nk, sizeof(ScoreIdx), cmp_score_desc)
     for t in range(keep):
         sel[t] = pairs[t].t

@@ -1,11 +1,13 @@
-"""The attention half of decode and verify forwards in one parallel region (attend_step): the
-same values, bit for bit, as the call-by-call path (Model.attention, kv_write, the router), for
-every model kind, weight format and option that reaches it; forwards it cannot take (expanded
-attention, a DSA selection that runs, float matrices) fall back to the call-by-call path."""
+"""Decode and verify forwards in C (layers_step: each layer's attention half in one parallel
+region, attend_step, with the DSA selection when it runs; then the fused MLP with resident
+experts used in place): the same values, bit for bit, as the call-by-call path (Model.attention,
+kv_write, _dsa_select, the router, moe through the cache), for every model kind, weight format
+and option that reaches it; forwards it cannot take (expanded attention, float matrices) fall
+back to the call-by-call path."""
 import numpy as np
 import pytest
 
-from colibri import model_init
+from colibri import _core, model_init
 from colibri.convert import ConvertOptions, convert
 from conftest import DATA
 from test_no_indexer import _strip
@@ -61,16 +63,12 @@ def test_one_region_equals_call_by_call(containers, name, kw):
     for a, b in zip(caches_off, caches_on):
         np.testing.assert_array_equal(a, b)
     L = m.cfg.n_layers
-    if name == "tiny_dsa" and not kw:
-        assert n_on == 0                      # f32 matrices: the call-by-call path
-    elif kw.get("absorb") == 0 or kw.get("dsa_force"):
-        assert n_on == 0                      # expanded attention / a selection on every forward
-    elif m.has_dsa:
-        # positions < index_topk (8): the prompt, decodes at 6 and 7; later ones select (fallback);
-        # the MTP layer has no indexer: its forwards all take the region
-        assert n_on == 3 * L if not m.has_mtp else n_on > 3 * L
+    if (name == "tiny_dsa" and not kw) or kw.get("absorb") == 0:
+        assert n_on == 0                      # f32 matrices / expanded attention: call by call
     else:
-        assert n_on == 8 * L                  # no selection: the prompt, 6 decodes, the verify batch
+        # the prompt, 6 decodes (across index_topk: the indexer selects in the region), the
+        # verify batch; the MTP layer's forwards come on top
+        assert n_on == 8 * L if not m.has_mtp else n_on > 8 * L
 
 
 def _cache_view(m, prefetch):
@@ -106,3 +104,28 @@ def test_experts_in_place_keep_the_cache_exact(containers, prefetch, pins):
     for a, b in zip(la, lb):
         np.testing.assert_array_equal(a, b)
     assert va == vb
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_selection_over_many_key_blocks(containers, threads):
+    """Past DSA_KEY_BLOCK keys the indexer's scores of a row are shared out among the threads in
+    blocks; the selection and the output stay bit-identical to the call-by-call path."""
+    before = _core.max_threads()
+    m = model_init(containers["int4"], threads=threads)
+    runs = []
+    try:
+        for stepped in (False, True):
+            m.stepped = stepped
+            m.kv_alloc(600)
+            out = [m.step([(i * 37 + 11) % 256 for i in range(530)], 0)]
+            tok = int(np.argmax(out[0]))
+            for pos in range(530, 534):
+                out.append(m.step([tok], pos))
+                tok = int(np.argmax(out[-1]))
+            out.append(m.step_all([tok, 7, 9], 534))
+            runs.append(out + [np.array(a) for a in m.Ic if a is not None])
+    finally:
+        _core.set_threads(before)
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+    assert m.stepped_calls >= 5 * m.cfg.n_layers
