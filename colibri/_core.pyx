@@ -1268,17 +1268,6 @@ cdef struct ScoreIdx:
     int t
 
 
-cdef int cmp_score_desc(const void *a, const void *b) noexcept nogil:
-    """Descending score, ties by ascending position (spec Appendix B.6)."""
-    cdef const ScoreIdx *x = <const ScoreIdx *>a
-    cdef const ScoreIdx *y = <const ScoreIdx *>b
-    if x.v > y.v:
-        return -1
-    if x.v < y.v:
-        return 1
-    return (x.t > y.t) - (x.t < y.t)
-
-
 cdef int cmp_int_asc(const void *a, const void *b) noexcept nogil:
     cdef int x = (<const int *>a)[0]
     cdef int y = (<const int *>b)[0]
@@ -3347,14 +3336,73 @@ cdef inline void dsa_scores(const float *qi, const float *w, const float *Ic, in
         pairs[t].t = t
 
 
+cdef inline bint ranks_before(const ScoreIdx *a, const ScoreIdx *b) noexcept nogil:
+    """a before b in the selection order: higher score, ties by lower position (spec Appendix B.6)."""
+    return a.v > b.v or (not (a.v < b.v) and a.t < b.t)
+
+
+cdef inline void swap_pairs(ScoreIdx *p, int i, int j) noexcept nogil:
+    cdef ScoreIdx tmp = p[i]
+    p[i] = p[j]
+    p[j] = tmp
+
+
+cdef void select_first(ScoreIdx *p, int n, int k) noexcept nogil:
+    """Reorder p[0..n) so that p[0..k) holds the k first pairs of the selection order (in no
+    particular order): quickselect, median-of-three pivots, Lomuto partitions (in bounds whatever
+    the comparisons say, e.g. on NaN scores). Expected O(n), where sorting is O(n log n)."""
+    cdef int lo = 0, hi = n - 1, mid, i, store
+    while lo < hi:
+        mid = lo + (hi - lo) // 2
+        if ranks_before(&p[mid], &p[lo]):
+            swap_pairs(p, mid, lo)
+        if ranks_before(&p[hi], &p[lo]):
+            swap_pairs(p, hi, lo)
+        if ranks_before(&p[mid], &p[hi]):
+            swap_pairs(p, mid, hi)          # p[hi]: the median of the three, the pivot
+        store = lo
+        for i in range(lo, hi):
+            if ranks_before(&p[i], &p[hi]):
+                swap_pairs(p, i, store)
+                store += 1
+        swap_pairs(p, store, hi)            # the pivot at its place in the order
+        if store == k:
+            return
+        if store < k:
+            lo = store + 1
+        else:
+            hi = store - 1
+
+
 cdef inline int dsa_pick(ScoreIdx *pairs, int nk, int topk, int *sel) noexcept nogil:
     """The min(nk, topk) keys of highest score (ties: lower position first), in ascending position."""
     cdef int t, keep = nk if nk < topk else topk
-    qsort(pairs, nk, sizeof(ScoreIdx), cmp_score_desc)
+    if keep < nk:
+        select_first(pairs, nk, keep)
     for t in range(keep):
         sel[t] = pairs[t].t
     qsort(sel, keep, sizeof(int), cmp_int_asc)
     return keep
+
+
+def dsa_pick_ids(scores, int topk):
+    """The DSA selection of one query from its key scores [nk] (dsa_pick): the min(nk, topk) keys
+    of highest score, ties by lower position, in ascending position."""
+    cdef float[::1] sv = np.ascontiguousarray(scores, dtype=np.float32)
+    cdef int nk = sv.shape[0], t, keep
+    if nk < 1 or topk < 1:
+        raise ValueError("dsa_pick_ids: at least one key and topk >= 1")
+    cdef ScoreIdx *pairs = <ScoreIdx *>malloc(nk * sizeof(ScoreIdx))
+    sel = np.zeros(min(nk, topk), np.int32)
+    cdef int[::1] out = sel
+    if pairs == NULL:
+        raise MemoryError()
+    for t in range(nk):
+        pairs[t].v = sv[t]
+        pairs[t].t = t
+    keep = dsa_pick(pairs, nk, topk, &out[0])
+    free(pairs)
+    return sel[:keep]
 
 
 cdef int route_row(const float *logit, const float *bias, int E, int K, bint norm, float rs,

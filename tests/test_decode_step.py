@@ -129,3 +129,22 @@ def test_selection_over_many_key_blocks(containers, threads):
     for a, b in zip(*runs):
         np.testing.assert_array_equal(a, b)
     assert m.stepped_calls >= 5 * m.cfg.n_layers
+
+
+def _pick_reference(scores, topk):
+    order = sorted(range(len(scores)), key=lambda t: (-float(scores[t]), t))
+    return sorted(order[:topk])
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "zeros", "ascending", "descending", "few"])
+def test_dsa_pick_is_the_sorted_selection(kind):
+    """dsa_pick (quickselect) keeps exactly the keys a full sort by (score desc, position asc)
+    keeps, for score patterns that defeat naive pivots or rely on the tie rule."""
+    rng = np.random.default_rng(7)
+    n = 5000
+    scores = {"random": rng.standard_normal(n), "ties": rng.integers(0, 4, n).astype(np.float32),
+              "zeros": np.where(rng.random(n) < 0.9, 0.0, rng.random(n)), "ascending": np.arange(n),
+              "descending": -np.arange(n), "few": rng.standard_normal(12)}[kind].astype(np.float32)
+    for topk in (1, 7, 2048, len(scores) - 1, len(scores), len(scores) + 5):
+        got = _core.dsa_pick_ids(scores, topk)
+        assert got.tolist() == _pick_reference(scores, topk)
