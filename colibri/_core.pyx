@@ -1415,7 +1415,7 @@ cdef class Model:
     cdef public long stepped_calls                # layer forwards whose attention half took attend_step
     cdef ExpertRef *etab                          # [(n_layers + 1) · E] the resident experts (cache.on_change)
     cdef LayerStep *_steps                        # [n_layers] attend_step fields of each layer (_build_steps)
-    cdef object _steps_key                        # (Work, Lc, Ic, split scratch) _steps was built over
+    cdef object _steps_key                        # (Work, split scratch, Lc, Rc, Ic arrays) _steps was built over
     cdef object _c_layers                         # every layer's weights suit layers_step (None: not known yet)
     cdef object _hbuf                             # the head's activation scratch (_head)
     cdef object _rec                              # experts used in place per layer: (int32 [n_layers], [n_layers, S·K])
@@ -2422,20 +2422,22 @@ cdef class Model:
         return self._c_layers and self._step_ok(self.layers[0], S, pos_base + S, ws)
 
     cdef int _build_steps(self, Work ws) except -1:
-        """self._steps: every main layer's attend_step fields over ws and the KV caches (rebuilt
-        when either is replaced)."""
-        key = (ws, self.Lc, self.Ic)
-        if self._steps != NULL and self._steps_key is not None and \
-                all(a is b for a, b in zip(key, self._steps_key)) and self._gsplit is self._steps_key[3]:
-            return 0
+        """self._steps: every main layer's attend_step fields over ws, the KV cache arrays and the
+        split scratch, rebuilt when any of them is replaced (the key holds the objects the raw
+        pointers point into, so none is freed while the steps use it)."""
         cdef int nL = self.cfg.n_layers, l
+        key = self._steps_key
+        now = (tuple(self.Lc), tuple(self.Rc), tuple(self.Ic or ()))
+        if self._steps != NULL and key is not None and key[0] is ws and key[1] is self._gsplit and \
+                all(len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in zip(key[2:], now)):
+            return 0
         if self._steps == NULL:
             self._steps = <LayerStep *>calloc(nL, sizeof(LayerStep))
             if self._steps == NULL:
                 raise MemoryError()
         for l in range(nL):
             self._fill_step(self.layers[l], ws, &self._steps[l])
-        self._steps_key = key + (self._gsplit,)
+        self._steps_key = (ws, self._gsplit) + now
         return 0
 
     def _layers_c(self, float[:, ::1] x, int S, int pos_base):
