@@ -16,7 +16,8 @@ import numpy as np
 from libc.stdint cimport int8_t, uint8_t, int32_t, uintptr_t
 from libc.math cimport expf, sqrtf, sqrt, cosf, sinf, isnan
 from libc.string cimport memcpy, memset
-from libc.stdlib cimport qsort, malloc, free
+from libc.stdlib cimport qsort, malloc, calloc, free
+from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from cython.parallel cimport prange, threadid, parallel
 
 import threading
@@ -748,6 +749,24 @@ cdef struct FfnJob:
     Py_ssize_t xg0, hg0                 # split forms of its quantized inputs / hidden (group-scaled int4)
 
 
+cdef inline int fill_job(FfnJob *J, const QTc *gate, const QTc *up, const QTc *down, int row0, int p0,
+                         int nr, int w0, int D, int block, Py_ssize_t W, Py_ssize_t xgs,
+                         Py_ssize_t hgs) noexcept nogil:
+    """Job J: the FFN (gate, up, down) over the nr pairs from pair row0 of the scratch (a
+    group starting at pair p0), its gate/up work items from w0; its scratch at its pairs' place
+    (pair p: inputs at 2p rows of width D, hidden at p rows of the scratch's width W). Returns
+    the next group's first work item."""
+    cdef int nbD = act_nblocks(D, block)
+    J.gate, J.up, J.down = gate, up, down
+    J.nr, J.I, J.row0, J.w0, J.pabs = nr, gate.O, row0 - p0, w0, row0
+    J.nbI = act_nblocks(J.I, block)
+    J.blkI = J.I if J.nbI == 1 else block
+    J.x0, J.xs0, J.y0 = 2 * <Py_ssize_t>row0 * D, 2 * <Py_ssize_t>row0 * nbD, <Py_ssize_t>row0 * D
+    J.h0, J.hq0, J.hs0 = row0 * W, 2 * row0 * W, 2 * row0 * W
+    J.xg0, J.hg0 = 2 * row0 * xgs, 2 * row0 * hgs
+    return w0 + 2 * n_groups(J.I)
+
+
 cdef inline int job_of(const FfnJob *jobs, int nj, int item, bint by_work) noexcept nogil:
     """The job that owns a gate/up work item (by_work) or a (job, row) pair."""
     cdef int j = 0
@@ -1252,17 +1271,6 @@ cdef struct ScoreIdx:
     int t
 
 
-cdef int cmp_score_desc(const void *a, const void *b) noexcept nogil:
-    """Descending score, ties by ascending position (spec Appendix B.6)."""
-    cdef const ScoreIdx *x = <const ScoreIdx *>a
-    cdef const ScoreIdx *y = <const ScoreIdx *>b
-    if x.v > y.v:
-        return -1
-    if x.v < y.v:
-        return 1
-    return (x.t > y.t) - (x.t < y.t)
-
-
 cdef int cmp_int_asc(const void *a, const void *b) noexcept nogil:
     cdef int x = (<const int *>a)[0]
     cdef int y = (<const int *>b)[0]
@@ -1407,6 +1415,14 @@ cdef class Model:
     cdef public bint overlap                      # multiply present experts while the others are read
     cdef public int prefill_chunk                 # rows of a forward's attention / FFN chunks (PREFILL_CHUNK)
     cdef public int stream_group                  # experts a long batch reads at a time (STREAM_GROUP)
+    cdef public bint stepped                      # decode / verify attention halves in one region (attend_step)
+    cdef public long stepped_calls                # layer forwards whose attention half took attend_step
+    cdef ExpertRef *etab                          # [(n_layers + 1) · E] the resident experts (cache.on_change)
+    cdef LayerStep *_steps                        # [n_layers] attend_step fields of each layer (_build_steps)
+    cdef object _steps_key                        # (Work, split scratch, Lc, Rc, Ic arrays) _steps was built over
+    cdef object _c_layers                         # every layer's weights suit layers_step (None: not known yet)
+    cdef object _hbuf                             # the head's activation scratch (_head)
+    cdef object _rec                              # experts used in place per layer: (int32 [n_layers], [n_layers, S·K])
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -1609,11 +1625,13 @@ cdef class Model:
             self._slabs.recycle(E)
 
     def _check_mapped(self, int li):
-        """guard of the expert cache, before a call on row li hands out experts: the files its
-        mapped experts live in must still hold every mapped byte (a page cut off a mapped file
-        would fault with SIGBUS in the middle of a matmul instead of raising)."""
+        """guard of the expert cache, before a call on row li (-1: any row) hands out experts: the
+        files its mapped experts live in must still hold every mapped byte (a page cut off a mapped
+        file would fault with SIGBUS in the middle of a matmul instead of raising)."""
         files = self._row_files.get(li)
-        if files is None:
+        if files is None and li < 0:
+            files = self._row_files[li] = list(range(len(self.st.paths)))
+        elif files is None:
             p = f"model.layers.{li}.mlp.experts."
             files = sorted({self.st.info(f"{p}{e}.{m}.weight{x}").file_index for e in range(self.cfg.n_experts)
                             for m in ("gate_proj", "up_proj", "down_proj") for x in ("", ".qs")
@@ -1857,11 +1875,8 @@ cdef class Model:
         cdef bint sparse = self.has_dsa and L.index < c.n_layers
         if T > c.index_topk and self.indexer_absent:
             self.dense_past_topk = True
-        # q_a, kv_a (and the indexer's wk) share the input: one quantization, one parallel region
         if L.input_group is None:
-            ins = [L.q_a, L.kv_a] + ([L.iwk] if sparse and L.idx_full else [])
-            fit = all(int_qt(W, self.idot) and (<QT>W).c.I == (<QT>L.q_a).c.I for W in ins)
-            L.input_group = ins if fit else []
+            self._input_group(L, sparse)
         cdef bint together = len(L.input_group) > 0
         if together:
             outs = [ws.qr, ws.ckv, ws.ik] if len(L.input_group) == 3 else [ws.qr, ws.ckv]
@@ -1917,6 +1932,122 @@ cdef class Model:
                                     pos_base + s // H, s % H, H, dn, dr, dv, scale,
                                     &tbuf[threadid(), 0], &ctx[s // H, 0])
         self._mm(L.o_proj, &ctx[0, 0], S, &out[0, 0], ws)
+
+    def _input_group(self, Layer L, bint sparse):
+        """q_a, kv_a (and the indexer's wk) share the input: one quantization, one pass over their
+        groups, when all are integer matrices of that width (L.input_group; [] when not)."""
+        ins = [L.q_a, L.kv_a] + ([L.iwk] if sparse and L.idx_full else [])
+        fit = all(int_qt(W, self.idot) and (<QT>W).c.I == (<QT>L.q_a).c.I for W in ins)
+        L.input_group = ins if fit else []
+
+    def _step_ok(self, Layer L, int S, int T, Work ws):
+        """Can layer L's attention half for S rows ending at T keys take attend_step? (Else the
+        per-call path: expanded attention, a DSA selection that runs, float matrices.)"""
+        c = self.cfg
+        cdef bint sparse = self.has_dsa and L.index < c.n_layers
+        if not self.stepped or S > ws.C or not self.absorbed_path(S, T):
+            return False
+        if L.input_group is None:
+            self._input_group(L, sparse)
+        if sparse and L.idx_full and (T > c.index_topk or self.dsa_force) and \
+                not (int_qt(L.iwq, self.idot) and L.iwq.c.I == c.q_lora):
+            return False                        # the indexer selects keys with a float wq_b
+        return bool(L.input_group) and int_qt(L.q_b, self.idot) and int_qt(L.o_proj, self.idot)
+
+    cdef int _fill_step(self, Layer L, Work ws, LayerStep *P) except -1:
+        """P: layer L's weights, KV cache rows and ws's scratch for attend_step (the per-call
+        fields x, S, pos_base, k0, nt are the caller's); L must pass _step_ok."""
+        c = self.cfg
+        cdef int k
+        cdef bint sparse = self.has_dsa and L.index < c.n_layers
+        widest = max(c.hidden, c.q_lora, c.n_heads * c.v_head)
+        if 2 * <Py_ssize_t>ws.C * widest > ws.xq.shape[0] or widest > ws.xr.shape[0] or \
+                2 * <Py_ssize_t>ws.C * act_nblocks(widest, self.act_block) > ws.xs.shape[0]:
+            raise EngineError(f"attention of {ws.C} rows exceeds the activation scratch")
+        cdef float[:, ::1] n = ws.n, a = ws.a, qr = ws.qr, ckv = ws.ckv, q = ws.q, ctx = ws.ctx
+        cdef float[:, ::1] tbuf = ws.tbuf, ik = ws.ik, Ic, rl = ws.rl, rw = ws.rw
+        cdef float[:, ::1] iq = ws.iq, iw = ws.iw, isc = ws.isc
+        cdef int[:, ::1] sel = ws.sel
+        cdef float[:, ::1] Lc = self.Lc[L.index], Rc = self.Rc[L.index]
+        cdef float[::1] in_ln = L.in_ln, post_ln = L.post_ln, qa_ln = L.q_a_ln, kv_ln = L.kv_a_ln
+        cdef float[::1] inv = self.inv_freq, kw, kb, bias, uw = ws.uw
+        cdef int[:, ::1] rsel = ws.rsel
+        cdef int[::1] upos = ws.upos, uniq = ws.uniq, ustart = ws.ustart, urow = ws.urow, nsel = ws.nsel
+        cdef uint8_t[::1] gb
+        P.D, P.H, P.dn, P.dr, P.dv = c.hidden, c.n_heads, c.qk_nope, c.qk_rope, c.v_head
+        P.Lq, P.Lkv, P.idot, P.block = c.q_lora, c.kv_lora, self.idot, self.act_block
+        P.eps, P.leps, P.scale = c.eps, LORA_NORM_EPS, c.attn_scale
+        P.n, P.a = &n[0, 0], &a[0, 0]
+        P.in_ln, P.post_ln, P.qa_ln, P.kv_ln, P.inv = &in_ln[0], &post_ln[0], &qa_ln[0], &kv_ln[0], &inv[0]
+        P.n_ins = len(L.input_group)
+        for k in range(P.n_ins):
+            P.ins[k] = &(<QT>L.input_group[k]).c
+        P.ins_y[0], P.ins_y[1], P.ins_y[2] = &qr[0, 0], &ckv[0, 0], &ik[0, 0]     # q_a, kv_a, wk
+        P.q_b, P.kv_b, P.o_proj = &L.q_b.c, &L.kv_b.c, &L.o_proj.c
+        P.qr, P.ckv, P.q, P.ctx = &qr[0, 0], &ckv[0, 0], &q[0, 0], &ctx[0, 0]
+        P.Lc, P.Rc = &Lc[0, 0], &Rc[0, 0]
+        P.Ic, P.nsel, P.sel, P.wp_grouped = NULL, NULL, NULL, False
+        if sparse:
+            P.nsel, P.sel, P.topk, P.inh = &nsel[0], &sel[0, 0], sel.shape[1], c.index_nh
+        if sparse and L.idx_full:
+            Ic = self.Ic[L.index]
+            kw, kb = L.ik_w, L.ik_b
+            P.Ic, P.ik, P.ik_w, P.ik_b = &Ic[0, 0], &ik[0, 0], &kw[0], &kb[0]
+            P.ihd, P.ieps, P.force = c.index_hd, INDEXER_NORM_EPS, self.dsa_force
+            P.iwq, P.iwp, P.iq, P.iw, P.isc = &L.iwq.c, &L.iwp.c, &iq[0, 0], &iw[0, 0], &isc[0, 0]
+            P.qscale, P.wscale = 1.0 / sqrt(c.index_hd), 1.0 / sqrt(c.index_nh)
+            if P.n_ins < MANY_MAX and int_qt(L.iwp, self.idot) and L.iwp.c.I == c.hidden:
+                P.ins[P.n_ins], P.ins_y[P.n_ins] = &L.iwp.c, &iw[0, 0]     # wp with the input group
+                P.n_ins += 1
+                P.wp_grouped = True
+        P.tbuf, P.tstride = &tbuf[0, 0], tbuf.shape[1]
+        P.xq, P.xs, P.xr, P.xm = &ws.xq[0], &ws.xs[0], &ws.xr[0], &ws.xm[0] if BLOCK_SUMS else NULL
+        P.xg = NULL
+        if self.grouped4:
+            gb = self._split_scratch(ws.C, widest)
+            P.xg = &gb[0]
+        P.router = NULL
+        if L.sparse:
+            bias = L.router_bias
+            P.router, P.rbias, P.E, P.K = &L.router.c, &bias[0], c.n_experts, c.topk
+            P.norm_topk, P.rs = c.norm_topk, c.routed_scale
+            P.rl, P.rsel, P.rw = &rl[0, 0], &rsel[0, 0], &rw[0, 0]
+            P.upos, P.uniq, P.ustart, P.urow, P.uw = &upos[0], &uniq[0], &ustart[0], &urow[0], &uw[0]
+        P.gate = P.up = P.down = NULL
+        if L.gate is not None:
+            P.gate, P.up, P.down = &L.gate.c, &L.up.c, &L.down.c
+        P.macs_row = (c.hidden * (c.q_lora + c.kv_lora) + c.q_lora * c.n_heads * c.qk_head
+                      + c.n_heads * c.v_head * c.hidden)
+        return 0
+
+    def _attend_step(self, Layer L, float[:, ::1] x, int S, int pos_base, Work ws):
+        """The attention half of layer_forward for S <= ws.C rows in one parallel region
+        (attend_step): x += attention(norm(x)), ws.n = post_attention_layernorm(x), and an MoE
+        layer's routing in ws. Returns the batch union's expert count (0 for a dense layer), or -1
+        when the layer needs the per-call path (see _step_ok): that path computes the same
+        values, call by call."""
+        c = self.cfg
+        cdef int T = pos_base + S
+        if not self._step_ok(L, S, T, ws):
+            return -1
+        if T > c.index_topk and self.indexer_absent:
+            self.dense_past_topk = True
+        cdef int k0 = self.kv_start[L.index]
+        if k0 < 0 or k0 > pos_base:
+            raise EngineError(f"layer {L.index}: KV window starts at {k0}, after position {pos_base}")
+        if pos_base < 0 or T > self.Lc[L.index].shape[0]:
+            raise EngineError(f"KV rows {pos_base}..{T - 1} exceed the cache")
+        cdef LayerStep P
+        self._fill_step(L, ws, &P)
+        P.x, P.S, P.pos_base, P.k0 = &x[0, 0], S, pos_base, k0
+        P.nt = 1 if <double>S * P.macs_row < PARALLEL_MIN_MACS else coli_max_threads()
+        with nogil:
+            attend_step(&P)
+        self.stepped_calls += 1
+        if P.bad >= 0:
+            raise EngineError(f"layer {L.index}: NaN in the router scores of row {P.bad} "
+                              "(non-finite activations or weights)")
+        return P.nu
 
     def absorbed_path(self, int S, int T):
         """Does a forward of S rows ending at T keys attend in the latent space? (--absorb; auto:
@@ -2050,19 +2181,12 @@ cdef class Model:
                 fs.p_uw[r] = 1.0
         cdef FfnJob *J
         cdef Py_ssize_t W = fs.I, h = 0
-        cdef int nbD = act_nblocks(D, self.act_block)
         for j in range(nj):
             gate, up, down, row0, nr = ffns[j]
             J = &fs.jobs[j0 + j]
-            J.gate, J.up, J.down = &(<QT>gate).c, &(<QT>up).c, &(<QT>down).c
-            J.nr, J.I, J.row0, J.w0, J.pabs = nr, (<QT>gate).c.O, row0 - p0, nwork, row0
-            J.nbI = act_nblocks(J.I, self.act_block)
-            J.blkI = J.I if J.nbI == 1 else self.act_block
-            J.x0, J.xs0, J.y0 = 2 * row0 * D, 2 * row0 * nbD, row0 * D
-            J.h0, J.hq0, J.hs0 = row0 * W, 2 * row0 * W, 2 * row0 * W
-            J.xg0, J.hg0 = 2 * row0 * fs.xgs, 2 * row0 * fs.hgs
+            nwork = fill_job(J, &(<QT>gate).c, &(<QT>up).c, &(<QT>down).c, row0, p0, nr, nwork, D,
+                             self.act_block, W, fs.xgs, fs.hgs)
             h += nr * J.I
-            nwork += 2 * n_groups(J.I)
         cdef double macs = 3.0 * <double>h * D
         cdef int nt = 1 if macs < FUSED_MIN_MACS else coli_max_threads()
         cdef int block = self.act_block, idot = self.idot
@@ -2100,8 +2224,19 @@ cdef class Model:
         self._mm(down, g, S, out, ws)
         return 0
 
-    def moe(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, Work ws):
-        """Routed experts (sigmoid router + correction bias, top-K, batch union) + shared expert."""
+    def moe(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, Work ws, int nu=-1):
+        """Routed experts (sigmoid router + correction bias, top-K, batch union) + shared expert.
+        nu >= 0: the routing is in ws already (attend_step made it), nu unique experts."""
+        if nu < 0:
+            nu = self._route(L, n, S, ws)
+        cdef int s, u, D = self.cfg.hidden
+        with nogil:
+            for s in range(S):
+                memset(&out[s, 0], 0, D * sizeof(float))
+        self._moe_experts(L, n, S, out, ws, nu)
+
+    def _route(self, Layer L, float[:, ::1] n, int S, Work ws):
+        """The router's top-K of every row and their batch union in ws; returns its expert count."""
         c = self.cfg
         cdef int E = c.n_experts, K = c.topk, D = c.hidden
         cdef int s, u, nu = 0, bad = -1
@@ -2120,11 +2255,15 @@ cdef class Model:
                     break
             if bad < 0:
                 nu = batch_union(&rsel[0, 0], &rw[0, 0], S, K, E, &upos[0], &uniq[0], &ustart[0], &urow[0], &uw[0])
-            for s in range(S):
-                memset(&out[s, 0], 0, D * sizeof(float))
         if bad >= 0:
             raise EngineError(f"layer {L.index}: NaN in the router scores of row {bad} "
                               "(non-finite activations or weights)")
+        return nu
+
+    def _moe_experts(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, Work ws, int nu):
+        """out [S, D] (zeroed) += the routed experts of the batch union in ws, then the shared expert."""
+        cdef int[::1] uniq = ws.uniq, ustart = ws.ustart
+        cdef int u
         if self.trace is not None:
             self.trace.append((self.forwards, L.index, S, [uniq[u] for u in range(nu)]))
         # Each unique expert once, in ascending id: gather its rows, FFN, scatter-add.
@@ -2290,12 +2429,20 @@ cdef class Model:
         path keeps the kv_b rows of earlier chunks), the MLP all S rows (each routed expert read
         once), so the result is the same as one batch."""
         cdef Work ws = self._work(S, pos_base + S)
-        cdef float[:, ::1] n = ws.n, a = ws.a, f = ws.out
+        t0 = time.perf_counter()
+        cdef int nu = self._attend_step(L, x, S, pos_base, ws)         # decode / verify: one region
+        if nu < 0:      # one attention path for every chunk
+            self._attend_calls(L, x, S, pos_base, ws, self.absorbed_path(S, pos_base + S))
+        self.t_attn += time.perf_counter() - t0
+        self._mlp_calls(L, x, S, ws, nu)
+
+    def _attend_calls(self, Layer L, float[:, ::1] x, int S, int pos_base, Work ws, bint absorbed):
+        """layer_forward's attention half call by call: x += attention(norm(x)) ws.C rows at a time,
+        then ws.n = post_attention_layernorm(x)."""
+        cdef float[:, ::1] n = ws.n, a = ws.a
         cdef float[::1] w1 = L.in_ln, w2 = L.post_ln
         cdef int s, i, c0, sc, D = self.cfg.hidden
         cdef float eps = self.cfg.eps
-        cdef bint absorbed = self.absorbed_path(S, pos_base + S)       # one path for every chunk
-        t0 = time.perf_counter()
         for c0 in range(0, S, ws.C):
             sc = min(ws.C, S - c0)
             with nogil:
@@ -2306,15 +2453,144 @@ cdef class Model:
                 for s in range(sc):
                     for i in range(D):
                         x[c0 + s, i] += a[s, i]
-        self.t_attn += time.perf_counter() - t0
         with nogil:
             for s in range(S):
                 rmsnorm_row(&n[s, 0], &x[s, 0], &w2[0], D, eps)
+
+    # -- the layers of a decode / verify forward in C ----------------------------------------------
+
+    def _on_cache_change(self, int layer, int eid, obj):
+        """The expert cache's on_change: mirror what it holds for (layer, eid) in self.etab."""
+        cdef ExpertRef *R
+        if self.etab == NULL or not 0 <= layer <= self.cfg.n_layers or not 0 <= eid < self.cfg.n_experts:
+            return
+        R = &self.etab[<Py_ssize_t>layer * self.cfg.n_experts + eid]
+        if obj is None:
+            R.gate = R.up = R.down = NULL
+        else:
+            R.gate, R.up, R.down = &(<Expert>obj).gate.c, &(<Expert>obj).up.c, &(<Expert>obj).down.c
+
+    def table_resident(self, int layer):
+        """The experts of a layer row that self.etab holds (the cache's pinned and LRU ones)."""
+        if self.etab == NULL or not 0 <= layer <= self.cfg.n_layers:
+            return []
+        return [e for e in range(self.cfg.n_experts)
+                if self.etab[<Py_ssize_t>layer * self.cfg.n_experts + e].gate != NULL]
+
+    def _layers_ok(self, int S, int pos_base, Work ws):
+        """Can every layer of this forward take layers_step? (attend_step for each (_step_ok), the
+        fused MLP); what does not depend on the forward is worked out once (_c_layers)."""
+        if not self.stepped or not self.fused or S > FUSED_MAX_ROWS or self.etab == NULL or not self.layers:
+            return False
+        if self._c_layers is None:
+            self._c_layers = all(
+                self._step_ok(L, 1, 1, ws) and (L.gate is None or (int_qt(L.gate, self.idot) and
+                                                                  int_qt(L.up, self.idot) and
+                                                                  int_qt(L.down, self.idot)))
+                for L in self.layers)
+        # the conditions of _step_ok that depend on S and T are the same for every main layer
+        return self._c_layers and self._step_ok(self.layers[0], S, pos_base + S, ws)
+
+    cdef int _build_steps(self, Work ws) except -1:
+        """self._steps: every main layer's attend_step fields over ws, the KV cache arrays and the
+        split scratch, rebuilt when any of them is replaced (the key holds the objects the raw
+        pointers point into, so none is freed while the steps use it)."""
+        cdef int nL = self.cfg.n_layers, l
+        key = self._steps_key
+        now = (tuple(self.Lc), tuple(self.Rc), tuple(self.Ic or ()))
+        if self._steps != NULL and key is not None and key[0] is ws and key[1] is self._gsplit and \
+                all(len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in zip(key[2:], now)):
+            return 0
+        if self._steps == NULL:
+            self._steps = <LayerStep *>calloc(nL, sizeof(LayerStep))
+            if self._steps == NULL:
+                raise MemoryError()
+        for l in range(nL):
+            self._fill_step(self.layers[l], ws, &self._steps[l])
+        self._steps_key = (ws, self._gsplit) + now
+        return 0
+
+    def _layers_c(self, float[:, ::1] x, int S, int pos_base):
+        """layers_forward of a decode / verify batch (see _layers_ok) through layers_step: each
+        layer's attention half in one region, its fused MLP in another, without Python between
+        layers. A layer whose MLP needs Python (an expert not resident, or router-lookahead
+        prefetch running this forward) is handed back after its attention half and finished
+        here through the cache, then the C loop goes on with the next layer."""
+        c = self.cfg
+        cdef Work ws = self._work(S, pos_base + S)
+        cdef int nL = c.n_layers, K = c.topk, l = 0, l2, done, i
+        cdef TokenStep T
+        self._build_steps(ws)
+        cdef FfnScratch fs = self._ffn_scratch(S * (K + 1), c.n_experts + 1, 0)
+        if self.grouped4:
+            fs.split_room()
+        if self._rec is None or self._rec[1].shape[1] < S * K:
+            self._rec = (np.zeros(nL, np.int32), np.zeros((nL, S * K), np.int32))
+        cdef int[::1] rec_nu = self._rec[0]
+        cdef int[:, ::1] rec_ids = self._rec[1]
+        cdef int[::1] k0 = np.asarray(self.kv_start[:nL], np.int32)
+        for l in range(nL):
+            if not 0 <= k0[l] <= pos_base:
+                raise EngineError(f"layer {l}: KV window starts at {k0[l]}, after position {pos_base}")
+        if pos_base < 0 or pos_base + S > self.Lc[0].shape[0]:
+            raise EngineError(f"KV rows {pos_base}..{pos_base + S - 1} exceed the cache")
+        if pos_base + S > c.index_topk and self.indexer_absent:
+            self.dense_past_topk = True
+        prefetching = self.pilot and self.lookahead_on and S <= PILOT_MAX_ROWS
+        T.steps, T.k0, T.nL, T.S, T.pos_base = self._steps, &k0[0], nL, S, pos_base
+        T.D, T.E, T.K, T.x, T.out = c.hidden, c.n_experts, K, &x[0, 0], &ws.out[0, 0]
+        T.etab = self.etab
+        # experts in place only while nothing else can evict them (no prefetch running or queued)
+        T.moe_c = not prefetching and (not self.pilot or self.cache.prefetch_idle())
+        T.handoff = prefetching             # the lookahead runs between a layer's two halves
+        T.jobs, T.xq, T.hq, T.xs, T.g, T.u = fs.jobs, fs.p_xq, fs.p_hq, fs.p_xs, fs.p_g, fs.p_u
+        T.hs, T.yd, T.xr, T.xr_stride, T.W = fs.p_hs, fs.p_yd, fs.p_xr, fs.xr_stride, fs.I
+        T.xm = fs.p_xm if BLOCK_SUMS else NULL
+        T.hm = fs.p_hm if BLOCK_SUMS else NULL
+        T.xg, T.hg, T.xgs, T.hgs, T.urow, T.uw = fs.p_xg, fs.p_hg, fs.xgs, fs.hgs, fs.p_urow, fs.p_uw
+        T.rec_nu, T.rec_ids, T.rec_stride = &rec_nu[0], &rec_ids[0, 0], rec_ids.shape[1]
+        T.t_attn = T.t_moe = 0.0
+        l = 0
+        while l < nL:
+            with nogil:
+                l2 = layers_step(&T, l, &done)
+            self.stepped_calls += l2 - l + done
+            self._note_in_place(l, l2, S)
+            if l2 >= nL:
+                break
+            L = self.layers[l2]
+            if T.bad >= 0:
+                raise EngineError(f"layer {l2}: NaN in the router scores of row {T.bad} "
+                                  "(non-finite activations or weights)")
+            self._mlp_calls(L, x, S, ws, self._steps[l2].nu)
+            l = l2 + 1
+        self.t_attn += T.t_attn
+        self.t_moe += T.t_moe
+
+    def _note_in_place(self, int l0, int l1, int S):
+        """The cache's bookkeeping (and the trace) for layers l0..l1-1 that layers_step finished
+        with resident experts used in place."""
+        cdef int l, nu
+        cdef int[::1] rec_nu = self._rec[0]
+        cdef int[:, ::1] rec_ids = self._rec[1]
+        for l in range(l0, l1):
+            nu = rec_nu[l]
+            if nu >= 0:
+                ids = [rec_ids[l, i] for i in range(nu)]
+                self.cache.note_hits(l, ids)
+                if self.trace is not None:
+                    self.trace.append((self.forwards, l, S, ids))
+
+    def _mlp_calls(self, Layer L, float[:, ::1] x, int S, Work ws, int nu):
+        """layer_forward's second half after its attention half (ws.n, the routing): the router
+        lookahead for the next layer, the MLP through the cache, the residual."""
+        cdef float[:, ::1] n = ws.n, f = ws.out
+        cdef int s, i, D = self.cfg.hidden
         if self.pilot and self.lookahead_on and S <= PILOT_MAX_ROWS and L.index + 1 < self.cfg.n_layers \
                 and self.layers[L.index + 1].sparse:
             self.pilot_prefetch(self.layers[L.index + 1], x, S, ws)
         if L.sparse:
-            self.moe(L, n, S, f, ws)
+            self.moe(L, n, S, f, ws, nu)
         else:
             self.dense_mlp(L, n, S, f, ws)
         with nogil:
@@ -2349,6 +2625,11 @@ cdef class Model:
         self.cache.prefetch(Nx.index, pred, protect=pred)
 
     def layers_forward(self, float[:, ::1] x, int S, int pos_base):
+        if self._layers_ok(S, pos_base, self._work(S, pos_base + S)):
+            if self.mapped:
+                self._check_mapped(-1)      # the C path uses mapped experts in place, past the cache's guard
+            self._layers_c(x, S, pos_base)
+            return
         for L in self.layers:
             self.layer_forward(L, x, S, pos_base)
 
@@ -2380,25 +2661,30 @@ cdef class Model:
     def _head(self, h):
         """lm_head · h for every row of the normalized h [S, D] -> [S, V]."""
         h = np.ascontiguousarray(h, dtype=np.float32)
-        cdef int S = h.shape[0]
+        cdef int S = h.shape[0], D = self.cfg.hidden
+        cdef Py_ssize_t i, bad = -1
         logits = np.empty((S, self.lm_head.c.O), np.float32)
-        xq = np.empty(2 * S * self.cfg.hidden, np.int8)
-        xs = np.empty(2 * S * self.cfg.hidden, np.float32)
-        xr = np.empty(self.cfg.hidden, np.float32)
-        xm = np.empty(2 * S * self.cfg.hidden, np.int32)
+        if self._hbuf is None or self._hbuf[0].shape[0] < 2 * S * D:
+            self._hbuf = (np.empty(2 * S * D, np.int8), np.empty(2 * S * D, np.float32),
+                          np.empty(D, np.float32), np.empty(2 * S * D, np.int32))
         cdef float[:, ::1] hv = h, lv = logits
-        cdef int8_t[::1] qv = xq
-        cdef float[::1] sv = xs, rv = xr
-        cdef int32_t[::1] mv = xm
+        cdef int8_t[::1] qv = self._hbuf[0]
+        cdef float[::1] sv = self._hbuf[1], rv = self._hbuf[2]
+        cdef int32_t[::1] mv = self._hbuf[3]
+        cdef float *lp = &lv[0, 0]
         cdef uint8_t[::1] gb
         cdef uint8_t *xg = NULL
         if self.lm_head.c.gs > 0 and self.lm_head.c.fmt == FMT_I4:
-            gb = self._split_scratch(S, self.cfg.hidden)
+            gb = self._split_scratch(S, D)
             xg = &gb[0]
         with nogil:
-            matmul_qt(&self.lm_head.c, &hv[0, 0], S, &lv[0, 0], &qv[0], &sv[0], &rv[0], self.act_block, self.idot,
+            matmul_qt(&self.lm_head.c, &hv[0, 0], S, lp, &qv[0], &sv[0], &rv[0], self.act_block, self.idot,
                       &mv[0] if BLOCK_SUMS else NULL, xg)
-        if np.isnan(logits).any():
+            for i in range(<Py_ssize_t>S * self.lm_head.c.O):
+                if isnan(lp[i]):
+                    bad = i
+                    break
+        if bad >= 0:
             raise EngineError("NaN in the logits (non-finite activations or weights)")
         return logits
 
@@ -2643,7 +2929,7 @@ cdef class Model:
         self.bytes_read = self.forwards = 0
         self.decode_forwards = self.emitted = 0
         self.t_disk = self.t_attn = self.t_moe = 0.0
-        self.overlapped_calls = 0
+        self.overlapped_calls = self.stepped_calls = 0
         self.cache.reset_stats()
         self._io.reset()
 
@@ -2665,6 +2951,10 @@ cdef class Model:
         if self.has_mtp:
             tot += self.eh_proj.nbytes + self.enorm.nbytes + self.hnorm.nbytes + self.mtp_norm.nbytes
         return tot
+
+    def __dealloc__(self):
+        free(self.etab)
+        free(self._steps)
 
     def close(self):
         if self.cache is not None:
@@ -2743,17 +3033,374 @@ cdef void attend_absorbed(const QTc *kv_b, const float *q, const float *Lc, cons
     qt_rowdots_f(kv_b, base + dn, dv, clat, ctx + h * dv)
 
 
+cdef enum:
+    DSA_KEY_BLOCK = 256     # keys per work item of the indexer's scores in attend_step
+
+
+cdef struct LayerStep:
+    # One layer's attention half for S rows in one parallel region (attend_step): every pointer
+    # is checked by Model._attend_step before the region starts.
+    int S, D, H, dn, dr, dv, Lq, Lkv, pos_base, k0, idot, block, nt
+    float eps, leps, scale              # the layer norms' eps, q_a / kv_a norms' (LORA_NORM_EPS)
+    float *x                            # [S, D] residual (in/out)
+    float *n                            # [S, D] post-attention norm of x (out): the MLP input
+    float *a                            # [S, D] o_proj output
+    const float *in_ln                  # [D]
+    const float *post_ln                # [D]
+    const float *qa_ln                  # [Lq]
+    const float *kv_ln                  # [Lkv]
+    const float *inv                    # [dr / 2] rope inverse frequencies
+    const QTc *ins[MANY_MAX]            # q_a, kv_a (, the indexer's wk): one input, one pass
+    float *ins_y[MANY_MAX]              # their outputs qr [S, Lq], ckv [S, Lkv + dr] (, ik [S, ihd])
+    int n_ins
+    const QTc *q_b
+    const QTc *kv_b
+    const QTc *o_proj
+    float *qr                           # [S, Lq]
+    float *ckv                          # [S, Lkv + dr]
+    float *q                            # [S, H·(dn + dr)]
+    float *ctx                          # [S, H·dv]
+    float *Lc                           # [max_t, Lkv] this layer's latent cache
+    float *Rc                           # [max_t, dr] its rotated shared keys
+    float *Ic                           # [max_t, ihd] its indexer keys (NULL: the layer writes none)
+    float *ik                           # [S, ihd] the indexer's keys of these rows
+    const float *ik_w                   # [ihd] indexer k_norm weight, bias
+    const float *ik_b
+    int ihd
+    float ieps
+    float *tbuf                         # [nt, tstride] per-thread attention scratch
+    Py_ssize_t tstride
+    int8_t *xq                          # activation scratch (see matmul_qt)
+    float *xs
+    float *xr
+    int32_t *xm
+    uint8_t *xg                         # split activations (group-scaled int4; NULL: none)
+    # routing (MoE layers; router NULL: a dense layer)
+    const QTc *router                   # [E, D]
+    const float *rbias                  # [E]
+    int E, K
+    bint norm_topk
+    float rs
+    float *rl                           # [S, E] router logits
+    int *rsel                           # [S, K]
+    float *rw                           # [S, K]
+    int *upos                           # batch_union's scratch and results (see batch_union)
+    int *uniq
+    int *ustart
+    int *urow
+    float *uw
+    int nu                              # out: unique experts of the batch
+    int bad                             # out: first row with NaN router scores, or -1
+    # the DSA indexer (Ic NULL: the layer writes no keys; nsel NULL: it attends densely)
+    int *nsel                           # [S] the selection counts of the rows (0: every key)
+    int *sel                            # [S, topk] their selections (a shared layer reuses them)
+    int topk, inh                       # index_topk, indexer heads
+    bint force                          # select even when the context fits index_topk (--dsa-force)
+    const QTc *iwq                      # [inh·ihd, Lq] wq_b, with q_b on the quantized q_a output
+    const QTc *iwp                      # [inh, D] weights_proj (in the input group when wp_grouped)
+    bint wp_grouped
+    float *iq                           # [S, inh·ihd] indexer queries
+    float *iw                           # [S, inh] indexer head weights
+    float *isc                          # [2·ws.T] the key scores of one row (ScoreIdx pairs; _work gives
+                                        # every forward a scratch with ws.T >= its keys)
+    float qscale, wscale                # 1/√ihd, 1/√inh
+    double macs_row                     # multiply-adds of the attention half per row (thread count)
+    const QTc *gate                     # the dense MLP, or the shared expert (gate NULL: none)
+    const QTc *up
+    const QTc *down
+
+
+cdef inline void quant_split(const float *x, int S, int I, int block, int idot, int8_t *xq, float *xs,
+                             float *xr, int32_t *xm, uint8_t *xg, bint split) noexcept nogil:
+    """quant_rows of x [S, I] as matmul_qt makes them (and the split forms when split)."""
+    cdef int nb = act_nblocks(I, block)
+    quant_rows(x, S, I, I if nb == 1 else block, nb, idot, xq, xs, xr, xm)
+    if split:
+        split_rows(xq, (2 if idot == IDOT_Q8X2 else 1) * S, I, xg, coli_split_len(I))
+
+
+cdef inline void group_of(const QTc *W, int g, LayerStep *P, float *y) noexcept nogil:
+    """Work item g of the matmul y = x · Wᵀ whose activations quant_split left in P's scratch."""
+    cdef int nb = act_nblocks(W.I, P.block)
+    int_group(W, g, P.S, P.xq, P.xs, nb, W.I if nb == 1 else P.block, P.idot, y, P.xm, P.xg,
+              coli_split_len(W.I))
+
+
+cdef inline bint wants_split_of(const QTc *W, LayerStep *P) noexcept nogil:
+    return P.xg != NULL and wants_split(W, act_nblocks(W.I, P.block))
+
+
+cdef void attend_step(LayerStep *P) noexcept nogil:
+    """x += o_proj(attention(input_layernorm(x))); n = post_attention_layernorm(x); and for an MoE
+    layer its routing (router logits, top-K, batch union) — the absorbed path of Model.attention
+    (with the DSA indexer's selection when it runs), moe's routing and layer_forward's residual
+    for S rows in ONE parallel region, phases separated by the barriers that end each prange.
+    Every value is computed by one thread with the kernels and the order of the per-call path
+    (matmul_many, kv_write, matmul_qt, _dsa_select, the head loop, route_row, batch_union), so
+    the results are bit-identical to it; the indexer's key scores of a row are shared out among
+    the threads. Decode and verify batches take it (Model._step_ok decides)."""
+    cdef int S = P.S, D = P.D, H = P.H, dq = P.dn + P.dr, T = P.pos_base + P.S, t, g, k, s, h, item
+    cdef int pos, nk, r, total = 0, nq
+    cdef int starts[MANY_MAX + 1]
+    cdef bint split = False, select = P.Ic != NULL and (T > P.topk or P.force)
+    cdef ScoreIdx *pairs = <ScoreIdx *>P.isc
+    for k in range(P.n_ins):
+        starts[k] = total
+        total += n_groups(P.ins[k].O)
+        split = split or wants_split_of(P.ins[k], P)
+    starts[P.n_ins] = total
+    nq = n_groups(P.q_b.O)
+    P.nu, P.bad = 0, -1
+    with parallel(num_threads=P.nt):
+        t = threadid()
+        # 1. the layer input's norm and its Q8 form (one for q_a, kv_a, wk and wp)
+        for item in prange(1, schedule='static'):
+            for s in range(S):
+                rmsnorm_row(P.n + <Py_ssize_t>s * D, P.x + <Py_ssize_t>s * D, P.in_ln, D, P.eps)
+                if P.Ic != NULL and not select:
+                    P.nsel[s] = 0           # the context fits index_topk: every key (as _dsa_select)
+            quant_split(P.n, S, D, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg, split)
+        # 2. q_a, kv_a (, wk, wp): the groups of all of them in one pass
+        for g in prange(total, schedule='static'):
+            k = 0
+            while starts[k + 1] <= g:
+                k = k + 1
+            group_of(P.ins[k], g - starts[k], P, P.ins_y[k])
+        # 3. the KV rows of these positions; q_a's norm, quantized for q_b (and wq); the indexer
+        # keys; the indexer's head weights when wp is a float matrix
+        for item in prange(4, schedule='static'):
+            if item == 0:
+                for s in range(S):
+                    pos = P.pos_base + s
+                    rmsnorm_row(P.Lc + <Py_ssize_t>pos * P.Lkv, P.ckv + <Py_ssize_t>s * (P.Lkv + P.dr),
+                                P.kv_ln, P.Lkv, P.leps)
+                    memcpy(P.Rc + <Py_ssize_t>pos * P.dr, P.ckv + <Py_ssize_t>s * (P.Lkv + P.dr) + P.Lkv,
+                           P.dr * sizeof(float))
+                    rope_interleave(P.Rc + <Py_ssize_t>pos * P.dr, P.dr, pos, P.inv)
+            elif item == 1:
+                for s in range(S):
+                    rmsnorm_row(P.qr + <Py_ssize_t>s * P.Lq, P.qr + <Py_ssize_t>s * P.Lq, P.qa_ln, P.Lq, P.leps)
+                quant_split(P.qr, S, P.Lq, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
+                            wants_split_of(P.q_b, P) or (select and wants_split_of(P.iwq, P)))
+            elif item == 2 and P.Ic != NULL:
+                for s in range(S):
+                    pos = P.pos_base + s
+                    layernorm_row(P.ik + <Py_ssize_t>s * P.ihd, P.ik_w, P.ik_b, P.ihd, P.ieps)
+                    rope_interleave(P.ik + <Py_ssize_t>s * P.ihd, P.dr, pos, P.inv)
+                    memcpy(P.Ic + <Py_ssize_t>pos * P.ihd, P.ik + <Py_ssize_t>s * P.ihd, P.ihd * sizeof(float))
+            elif item == 3 and select and not P.wp_grouped:
+                for s in range(S):
+                    for h in range(P.inh):
+                        P.iw[s * P.inh + h] = qt_rowdot_f(P.iwp, h, P.n + <Py_ssize_t>s * D)
+        # 4. q_b (and the indexer's wq): groups over the quantized q_a output
+        for g in prange(nq + (n_groups(P.iwq.O) if select else 0), schedule='static'):
+            if g < nq:
+                group_of(P.q_b, g, P, P.q)
+            else:
+                group_of(P.iwq, g - nq, P, P.iq)
+        # 5. the DSA selection of each row: rotated indexer queries, key scores shared out, top-k
+        if select:
+            for item in prange(S * P.inh, schedule='static'):
+                rope_interleave(P.iq + <Py_ssize_t>item * P.ihd, P.dr, P.pos_base + item // P.inh, P.inv)
+            for r in range(S):
+                nk = P.pos_base + r + 1
+                for g in prange((nk + DSA_KEY_BLOCK - 1) // DSA_KEY_BLOCK, schedule='static'):
+                    dsa_scores(P.iq + <Py_ssize_t>r * P.inh * P.ihd, P.iw + r * P.inh, P.Ic, g * DSA_KEY_BLOCK,
+                               nk if nk < (g + 1) * DSA_KEY_BLOCK else (g + 1) * DSA_KEY_BLOCK,
+                               P.inh, P.ihd, P.qscale, P.wscale, pairs)
+                for item in prange(1, schedule='static'):
+                    P.nsel[r] = dsa_pick(pairs, nk, P.topk, P.sel + <Py_ssize_t>r * P.topk)
+        # 6. per (row, head): rotate the query's rope part, attend in the latent space (over the
+        # DSA selection of the row when the layer has one with keys in it)
+        for item in prange(S * H, schedule='static'):
+            s = item // H
+            h = item % H
+            rope_interleave(P.q + <Py_ssize_t>s * H * dq + h * dq + P.dn, P.dr, P.pos_base + s, P.inv)
+            attend_absorbed(P.kv_b, P.q + <Py_ssize_t>s * H * dq, P.Lc, P.Rc,
+                            P.sel + <Py_ssize_t>s * P.topk if P.nsel != NULL else NULL,
+                            P.nsel[s] if P.nsel != NULL else 0, P.k0,
+                            P.pos_base + s, h, H, P.dn, P.dr, P.dv, P.Lkv, P.scale,
+                            P.tbuf + t * P.tstride, P.ctx + <Py_ssize_t>s * H * P.dv)
+        # 7. o_proj
+        for item in prange(1, schedule='static'):
+            quant_split(P.ctx, S, H * P.dv, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
+                        wants_split_of(P.o_proj, P))
+        for g in prange(n_groups(P.o_proj.O), schedule='static'):
+            group_of(P.o_proj, g, P, P.a)
+        # 8. the residual and the MLP's input norm
+        for s in prange(S, schedule='static'):
+            for item in range(D):
+                P.x[<Py_ssize_t>s * D + item] += P.a[<Py_ssize_t>s * D + item]
+            rmsnorm_row(P.n + <Py_ssize_t>s * D, P.x + <Py_ssize_t>s * D, P.post_ln, D, P.eps)
+        # 9. routing (MoE layers): the router's logits, then top-K and the batch union
+        if P.router != NULL:
+            if P.router.fmt == FMT_F32 or P.idot == IDOT_FLOAT:
+                for item in prange(S * P.E, schedule='static'):
+                    P.rl[item] = qt_rowdot_f(P.router, item % P.E, P.n + <Py_ssize_t>(item // P.E) * D)
+            else:
+                for item in prange(1, schedule='static'):
+                    quant_split(P.n, S, D, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
+                                wants_split_of(P.router, P))
+                for g in prange(n_groups(P.E), schedule='static'):
+                    group_of(P.router, g, P, P.rl)
+            for item in prange(1, schedule='static'):
+                P.bad = -1
+                for s in range(S):
+                    if P.bad < 0 and route_row(P.rl + <Py_ssize_t>s * P.E, P.rbias, P.E, P.K, P.norm_topk,
+                                               P.rs, P.rsel + <Py_ssize_t>s * P.K, P.rw + <Py_ssize_t>s * P.K) != 0:
+                        P.bad = s
+                if P.bad < 0:
+                    P.nu = batch_union(P.rsel, P.rw, S, P.K, P.E, P.upos, P.uniq, P.ustart, P.urow, P.uw)
+
+
+cdef struct ExpertRef:
+    # A resident routed expert's matrices (the engine's mirror of the expert cache's tiers;
+    # gate NULL: not resident)
+    const QTc *gate
+    const QTc *up
+    const QTc *down
+
+
+cdef struct TokenStep:
+    # The layers of one decode / verify forward (layers_step); filled by Model._token_step.
+    LayerStep *steps                    # [nL] per layer (Model._steps), per-call fields set here
+    const int *k0                       # [nL] each layer's KV window start
+    int nL, S, pos_base, D, E, K
+    float *x                            # [S, D] the residual
+    float *out                          # [S, D] the MLP output (Work.out)
+    const ExpertRef *etab               # [nL + 1, E] resident experts
+    bint moe_c                          # MoE layers may take resident experts in place
+    bint handoff                        # every layer's MLP to Python (router lookahead this forward)
+    # the fused FFN group's scratch (FfnScratch)
+    FfnJob *jobs
+    int8_t *xq
+    int8_t *hq
+    float *xs
+    float *g
+    float *u
+    float *hs
+    float *yd
+    float *xr
+    Py_ssize_t xr_stride, W, xgs, hgs
+    int32_t *xm
+    int32_t *hm
+    uint8_t *xg
+    uint8_t *hg
+    int *urow
+    float *uw
+    int *rec_nu                         # out [nL]: experts of the layer used in place (-1: none)
+    int *rec_ids                        # out [nL, rec_stride]: their ids (the batch union)
+    Py_ssize_t rec_stride
+    int bad                             # out: router NaN row of the layer returned, or -1
+    double t_attn, t_moe                # out: seconds in the attention halves / the FFNs
+
+
+cdef inline double now_s() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + 1e-9 * ts.tv_nsec
+
+
+cdef inline bint fusable_c(const QTc *W, int idot) noexcept nogil:
+    return W != NULL and idot != IDOT_FLOAT and (W.fmt == FMT_I8 or W.fmt == FMT_I4)
+
+
+cdef int mlp_step(TokenStep *T, LayerStep *P, int l) noexcept nogil:
+    """T.out = the layer's MLP of P.n as Model.moe / dense_mlp compute it fused: the routed experts
+    of the batch union (ascending id, each on its rows and weights), then the shared expert on
+    every row; a dense layer its MLP. Returns 1 without computing when an expert is not resident
+    (or not fusable): the caller hands the layer's MLP to Python."""
+    cdef int S = P.S, D = P.D, u, e, i, nu = P.nu if P.router != NULL else 0, nj = 0, p = 0, nw = 0, nr
+    cdef const ExpertRef *R
+    cdef double h = 0.0
+    if T.handoff:
+        return 1
+    if P.router != NULL:
+        if not T.moe_c:
+            return 1
+        for u in range(nu):
+            R = &T.etab[<Py_ssize_t>l * T.E + P.uniq[u]]
+            if not (fusable_c(R.gate, P.idot) and fusable_c(R.up, P.idot) and fusable_c(R.down, P.idot)):
+                return 1
+    for u in range(nu + (1 if P.gate != NULL else 0)):
+        if u < nu:
+            R = &T.etab[<Py_ssize_t>l * T.E + P.uniq[u]]
+            nr = P.ustart[u + 1] - P.ustart[u]
+            for i in range(nr):
+                T.urow[p + i] = P.urow[P.ustart[u] + i]
+                T.uw[p + i] = P.uw[P.ustart[u] + i]
+            nw = fill_job(&T.jobs[nj], R.gate, R.up, R.down, p, 0, nr, nw, D, P.block, T.W, T.xgs, T.hgs)
+        else:                           # the shared expert (or the dense MLP): every row, weight 1
+            nr = S
+            for i in range(nr):
+                T.urow[p + i] = i
+                T.uw[p + i] = 1.0
+            nw = fill_job(&T.jobs[nj], P.gate, P.up, P.down, p, 0, nr, nw, D, P.block, T.W, T.xgs, T.hgs)
+        h += <double>nr * T.jobs[nj].I
+        p += nr
+        nj += 1
+    for i in range(S * D):
+        T.out[i] = 0.0
+    if nj > 0:
+        ffn_group(T.jobs, nj, p, nw, P.n, D, T.urow, T.uw, P.block, P.idot, T.xq, T.xs, T.g, T.u, T.hq,
+                  T.hs, T.yd, T.xr, T.xr_stride, T.out,
+                  1 if 3.0 * h * D < FUSED_MIN_MACS else coli_max_threads(), T.xm, T.hm, True,
+                  T.xg, T.xgs, T.hg, T.hgs)
+    return 0
+
+
+cdef int layers_step(TokenStep *T, int l0, int *attn_done) noexcept nogil:
+    """Layers l0.. of a forward of T.S rows, each in two parallel regions (attend_step, then the
+    fused MLP), without returning to Python: x += attention; x += mlp. Returns the first layer it
+    could not finish (T.nL: all done); *attn_done then says whether that layer's attention half
+    (and routing) is done, T.bad whether its router saw NaN. Layers finished here record the
+    experts they used in place (T.rec_nu, T.rec_ids) for the cache's bookkeeping."""
+    cdef int l, i, S = T.S
+    cdef LayerStep *P
+    cdef double t0
+    T.bad = -1
+    for l in range(l0, T.nL):
+        T.rec_nu[l] = -1
+        P = &T.steps[l]
+        P.x, P.S, P.pos_base, P.k0 = T.x, S, T.pos_base, T.k0[l]
+        P.nt = 1 if <double>S * P.macs_row < PARALLEL_MIN_MACS else coli_max_threads()
+        t0 = now_s()
+        attend_step(P)
+        T.t_attn += now_s() - t0
+        attn_done[0] = 1
+        if P.bad >= 0:
+            T.bad = P.bad
+            return l
+        t0 = now_s()
+        if mlp_step(T, P, l) != 0:
+            return l
+        T.t_moe += now_s() - t0
+        for i in range(S * T.D):
+            T.x[i] += T.out[i]
+        if P.router != NULL:
+            T.rec_nu[l] = P.nu
+            for i in range(P.nu):
+                T.rec_ids[l * T.rec_stride + i] = P.uniq[i]
+    attn_done[0] = 0
+    return T.nL
+
+
 cdef int dsa_topk(const float *qi, const float *w, const float *Ic, int nk, int nh, int hd, int topk,
                   float qscale, float wscale, bint force, float *buf, int *sel) noexcept nogil:
     """Select the top-k keys of one query; returns the count (0 = context fits: attend densely).
     buf holds nk ScoreIdx pairs (2 floats each). The selection is returned in ascending position."""
-    cdef int t, h, keep
-    cdef float acc, d
-    cdef ScoreIdx *pairs = <ScoreIdx *>buf
     if nk <= topk and not force:
         return 0
-    keep = nk if nk < topk else topk
-    for t in range(nk):
+    dsa_scores(qi, w, Ic, 0, nk, nh, hd, qscale, wscale, <ScoreIdx *>buf)
+    return dsa_pick(<ScoreIdx *>buf, nk, topk, sel)
+
+
+cdef inline void dsa_scores(const float *qi, const float *w, const float *Ic, int t0, int t1, int nh, int hd,
+                            float qscale, float wscale, ScoreIdx *pairs) noexcept nogil:
+    """pairs[t] = (Σ_h w_h·wscale·relu(q_h·k_t·qscale), t) for the keys t0 <= t < t1."""
+    cdef int t, h
+    cdef float acc, d
+    for t in range(t0, t1):
         acc = 0.0
         for h in range(nh):
             d = coli_dot_f32(qi + h * hd, Ic + <Py_ssize_t>t * hd, hd) * qscale
@@ -2761,11 +3408,75 @@ cdef int dsa_topk(const float *qi, const float *w, const float *Ic, int nk, int 
                 acc = acc + (w[h] * wscale) * d
         pairs[t].v = acc
         pairs[t].t = t
-    qsort(pairs, nk, sizeof(ScoreIdx), cmp_score_desc)
+
+
+cdef inline bint ranks_before(const ScoreIdx *a, const ScoreIdx *b) noexcept nogil:
+    """a before b in the selection order: higher score, ties by lower position (spec Appendix B.6)."""
+    return a.v > b.v or (not (a.v < b.v) and a.t < b.t)
+
+
+cdef inline void swap_pairs(ScoreIdx *p, int i, int j) noexcept nogil:
+    cdef ScoreIdx tmp = p[i]
+    p[i] = p[j]
+    p[j] = tmp
+
+
+cdef void select_first(ScoreIdx *p, int n, int k) noexcept nogil:
+    """Reorder p[0..n) so that p[0..k) holds the k first pairs of the selection order (in no
+    particular order): quickselect, median-of-three pivots, Lomuto partitions (in bounds whatever
+    the comparisons say, e.g. on NaN scores). Expected O(n), where sorting is O(n log n)."""
+    cdef int lo = 0, hi = n - 1, mid, i, store
+    while lo < hi:
+        mid = lo + (hi - lo) // 2
+        if ranks_before(&p[mid], &p[lo]):
+            swap_pairs(p, mid, lo)
+        if ranks_before(&p[hi], &p[lo]):
+            swap_pairs(p, hi, lo)
+        if ranks_before(&p[mid], &p[hi]):
+            swap_pairs(p, mid, hi)          # p[hi]: the median of the three, the pivot
+        store = lo
+        for i in range(lo, hi):
+            if ranks_before(&p[i], &p[hi]):
+                swap_pairs(p, i, store)
+                store += 1
+        swap_pairs(p, store, hi)            # the pivot at its place in the order
+        if store == k:
+            return
+        if store < k:
+            lo = store + 1
+        else:
+            hi = store - 1
+
+
+cdef inline int dsa_pick(ScoreIdx *pairs, int nk, int topk, int *sel) noexcept nogil:
+    """The min(nk, topk) keys of highest score (ties: lower position first), in ascending position."""
+    cdef int t, keep = nk if nk < topk else topk
+    if keep < nk:
+        select_first(pairs, nk, keep)
     for t in range(keep):
         sel[t] = pairs[t].t
     qsort(sel, keep, sizeof(int), cmp_int_asc)
     return keep
+
+
+def dsa_pick_ids(scores, int topk):
+    """The DSA selection of one query from its key scores [nk] (dsa_pick): the min(nk, topk) keys
+    of highest score, ties by lower position, in ascending position."""
+    cdef float[::1] sv = np.ascontiguousarray(scores, dtype=np.float32)
+    cdef int nk = sv.shape[0], t, keep
+    if nk < 1 or topk < 1:
+        raise ValueError("dsa_pick_ids: at least one key and topk >= 1")
+    cdef ScoreIdx *pairs = <ScoreIdx *>malloc(nk * sizeof(ScoreIdx))
+    sel = np.zeros(min(nk, topk), np.int32)
+    cdef int[::1] out = sel
+    if pairs == NULL:
+        raise MemoryError()
+    for t in range(nk):
+        pairs[t].v = sv[t]
+        pairs[t].t = t
+    keep = dsa_pick(pairs, nk, topk, &out[0])
+    free(pairs)
+    return sel[:keep]
 
 
 cdef int route_row(const float *logit, const float *bias, int E, int K, bint norm, float rs,
@@ -2947,6 +3658,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.overlap = os.environ.get("COLIBRI_OVERLAP", "1") != "0"     # 0: for A/B measurements
     m.prefill_chunk = PREFILL_CHUNK
     m.stream_group = STREAM_GROUP
+    m.stepped = os.environ.get("COLIBRI_STEP", "1") != "0"       # 0: call by call, for A/B runs
     m.dsa_force = dsa_force
     m.dense_bits = dense_bits
     m.expert_bits = expert_bits
@@ -2982,6 +3694,10 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.cache.overshoot = cfg.topk            # within the RAM plan's per-call allowance
     m._slabs = _SlabPool(2 * cfg.topk)
     m.cache.on_evict = m._release_expert
+    m.etab = <ExpertRef *>calloc((cfg.n_layers + 1) * cfg.n_experts, sizeof(ExpertRef))
+    if m.etab == NULL:
+        raise MemoryError()
+    m.cache.on_change = m._on_cache_change
     if m.mapped:
         m.cache.guard = m._check_mapped
         # evicted experts stay mapped while a call may still use them (the RAM plan's call allowance)

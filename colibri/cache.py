@@ -193,6 +193,11 @@ class ExpertCache:
         self.overshoot = 0
         # Called with each expert the cache lets go of (lock held, must be quick and must not call back).
         self.on_evict = None
+        # Called as on_change(layer, eid, expert or None) whenever the expert held for (layer, eid)
+        # changes: inserted into the LRU, the hot-store or the kept tier from none of them, or let go
+        # (lock held, must be quick and must not call back). The engine mirrors the resident
+        # experts (pinned, LRU and kept) in a table of its own.
+        self.on_change = None
         # Bytes (sum of nbytes) of evicted experts kept for a read-free return (0: none kept).
         self.keep_bytes = 0
         # Called with the row at the start of every fetch(), outside the lock: raises to refuse the
@@ -296,6 +301,10 @@ class ExpertCache:
                 return out
         return None
 
+    def _changed(self, layer, eid, obj):
+        if self.on_change is not None:
+            self.on_change(layer, eid, obj)
+
     def _evict(self, layer, e):
         ent = self._lru[layer].pop(e)
         self._st["evictions"] += 1
@@ -303,24 +312,33 @@ class ExpertCache:
             self._st["prefetch_wasted"] += 1
         obj = ent.obj
         del ent
-        self._let_go(layer, e, obj)
+        self._let_go(layer, e, obj, True)
 
-    def _let_go(self, layer, e, obj):
-        """obj (expert e of layer) leaves the LRU: into the kept tier when there is one, pushing
-        its oldest entries out beyond keep_bytes; whatever leaves the cache goes to on_evict."""
+    def _let_go(self, layer, e, obj, resident):
+        """obj (expert e of layer; resident: it was in the LRU) leaves the LRU or is not placed in
+        it: into the kept tier when there is one, pushing its oldest entries out beyond
+        keep_bytes; whatever leaves the cache goes to on_evict."""
         if self.keep_bytes > 0:
             self._kept[(layer, e)] = obj
             self._kept_bytes += int(obj.nbytes)
             self._st["kept"] += 1
-            while self._kept_bytes > self.keep_bytes:
-                _, old = self._kept.popitem(last=False)
-                self._kept_bytes -= int(old.nbytes)
-                self._release_obj(old)
+            if not resident:
+                self._changed(layer, e, obj)
+            self._trim_kept(self.keep_bytes)
             return
-        self._release_obj(obj)
+        self._release_obj(layer, e, obj, resident)
 
-    def _release_obj(self, obj):
+    def _trim_kept(self, nbytes):
+        while self._kept and self._kept_bytes > nbytes:
+            (layer, e), old = self._kept.popitem(last=False)
+            self._kept_bytes -= int(old.nbytes)
+            self._release_obj(layer, e, old, True)
+
+    def _release_obj(self, layer, e, obj, resident):
+        """The cache lets go of obj (expert e of layer; resident: the engine's mirror holds it)."""
         self._st["released"] += 1
+        if resident:
+            self._changed(layer, e, None)
         if self.on_evict is not None:
             self.on_evict(obj)          # e.g. recycle its buffer, or unmap its pages
 
@@ -341,12 +359,13 @@ class ExpertCache:
         if victims is None:
             if len(lru) >= self.capacity + self.overshoot:
                 self._st["prefetch_dropped"] += 1
-                self._let_go(layer, eid, obj)
+                self._let_go(layer, eid, obj, False)
                 return
             victims = []            # every entry is protected: hold it beyond capacity until a get() trims
         for v in victims:
             self._evict(layer, v)
         lru[eid] = _Entry(obj, prefetched=True)
+        self._changed(layer, eid, obj)
 
     def _trim(self, layer):
         """Evict least recently used entries not in use until the row fits its capacity."""
@@ -411,8 +430,9 @@ class ExpertCache:
                     self._st["prefetch_used"] += 1
                 old = self._take_kept(p.layer, p.eid)
                 if old is not None and old is not p.obj:
-                    self._release_obj(old)
+                    self._release_obj(p.layer, p.eid, old, False)     # replaced in the mirror below
                 self._pins[p.layer][p.eid] = p.obj
+                self._changed(p.layer, p.eid, p.obj)
                 nb = int(p.obj.nbytes)
                 self._pinned_bytes += nb
                 added += nb
@@ -447,30 +467,9 @@ class ExpertCache:
             return f
         if self.guard is not None:
             self.guard(layer)
-        st = self._st
         busy = self._busy[layer]
         with self._lock:
-            if self._closed:
-                raise RuntimeError("ExpertCache is closed")
-            row = self.usage[layer]
-            for e in eids:
-                row[e] += 1
-            if self._queue:
-                # prefetches of this row still queued are now late: this call reads what it needs,
-                # and a later load would only displace experts (counted as skipped)
-                stale = [q for q in self._queue if q[0] == layer]
-                if stale:
-                    self._queue = collections.deque(q for q in self._queue if q[0] != layer)
-                    for q in stale:
-                        self._queued.discard((q[0], q[1]))
-                    st["prefetch_skipped"] += len(stale)
-                    if not self._queue:
-                        self._cond.notify_all()
-            pred = self._pred.pop(layer, None)
-            if pred is not None:
-                st["lookahead_true"] += len(f.distinct)
-                st["lookahead_hit"] += sum(1 for e in f.distinct if e in pred)
-            st["requests"] += len(f.distinct)
+            self._account_request(layer, eids, f.distinct)
             for e in f.distinct:
                 busy[e] = busy.get(e, 0) + 1
         try:
@@ -480,6 +479,70 @@ class ExpertCache:
             raise
         f.ready = dict(f.found)
         return f
+
+    def _account_request(self, layer, eids, distinct):
+        """The counters of one call's request (lock held): usage, late prefetches of the row,
+        the lookahead's recall, requests."""
+        st = self._st
+        if self._closed:
+            raise RuntimeError("ExpertCache is closed")
+        row = self.usage[layer]
+        for e in eids:
+            row[e] += 1
+        if self._queue:
+            # prefetches of this row still queued are now late: this call reads what it needs,
+            # and a later load would only displace experts (counted as skipped)
+            stale = [q for q in self._queue if q[0] == layer]
+            if stale:
+                self._queue = collections.deque(q for q in self._queue if q[0] != layer)
+                for q in stale:
+                    self._queued.discard((q[0], q[1]))
+                st["prefetch_skipped"] += len(stale)
+                if not self._queue:
+                    self._cond.notify_all()
+        pred = self._pred.pop(layer, None)
+        if pred is not None:
+            st["lookahead_true"] += len(distinct)
+            st["lookahead_hit"] += sum(1 for e in distinct if e in pred)
+        st["requests"] += len(distinct)
+
+    def note_hits(self, layer: int, eids) -> None:
+        """Account a call whose experts were all resident and used in place (the engine's C path
+        looked them up in its mirror of the tiers, see on_change): the counters, the LRU order and
+        the kept experts' return to the LRU (then trimmed to capacity) that a get() of the same
+        experts makes. Raises KeyError if one is not resident."""
+        distinct = sorted(set(eids))
+        st = self._st
+        pins, lru, busy = self._pins[layer], self._lru[layer], self._busy[layer]
+        with self._lock:
+            self._account_request(layer, eids, distinct)
+            kept = False
+            for e in distinct:
+                if e in pins:
+                    st["hits_pin"] += 1
+                    continue
+                ent = lru.get(e)
+                if ent is None:
+                    obj = self._take_kept(layer, e)
+                    if obj is None:
+                        raise KeyError(f"expert {e} of layer {layer} is not resident")
+                    st["hits_kept"] += 1
+                    lru[e] = _Entry(obj)
+                    kept = True
+                    continue
+                st["hits_lru"] += 1
+                if ent.prefetched:
+                    ent.prefetched = False
+                    st["prefetch_used"] += 1
+                lru.move_to_end(e)
+            if kept:
+                self._trim(layer)
+
+    def prefetch_idle(self) -> bool:
+        """No prefetch queued or being loaded: until prefetch() is called again, only the caller's
+        own calls change what is resident."""
+        with self._lock:
+            return not self._queue and not self._pf_active
 
     def _start_round(self, f, remaining, inline):
         """Classify the experts `remaining` of fetch f: hits go to f.found; loads in flight are
@@ -589,6 +652,7 @@ class ExpertCache:
                 ent = lru.get(e)
                 if ent is None:
                     lru[e] = _Entry(obj)
+                    self._changed(layer, e, obj)
                 else:
                     if ent.prefetched:
                         ent.prefetched = False
@@ -693,10 +757,7 @@ class ExpertCache:
             raise ValueError(f"keep_bytes must be >= 0, got {nbytes}")
         with self._lock:
             self.keep_bytes = nbytes
-            while self._kept and self._kept_bytes > nbytes:
-                _, old = self._kept.popitem(last=False)
-                self._kept_bytes -= int(old.nbytes)
-                self._release_obj(old)
+            self._trim_kept(nbytes)
 
     def close(self) -> None:
         """Stop the prefetch thread (pending requests are discarded, a load in progress finishes)
