@@ -2471,7 +2471,7 @@ cdef class Model:
             R.gate, R.up, R.down = &(<Expert>obj).gate.c, &(<Expert>obj).up.c, &(<Expert>obj).down.c
 
     def table_resident(self, int layer):
-        """The experts of a layer row that self.etab holds (the cache's pinned and LRU ones)."""
+        """The experts of a layer row that self.etab holds (the cache's pinned, LRU and kept ones)."""
         if self.etab == NULL or not 0 <= layer <= self.cfg.n_layers:
             return []
         return [e for e in range(self.cfg.n_experts)
