@@ -336,11 +336,69 @@ def machine_info() -> dict:
     }
 
 
-def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
-    """Memory bandwidth from numpy copies of a ``nbytes`` array (read + write bytes counted).
+def _best_seconds(fn, parts, pool, repeats: int) -> float:
+    """Best wall time of ``repeats`` passes of ``fn`` over ``parts``, one part per pool thread."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        list(pool.map(fn, parts))
+        best = min(best, time.perf_counter() - t)
+    return best
 
-    Best of ``repeats``, with one thread and with two threads (each copying one half; numpy
-    releases the GIL for the copy).  ``gbs`` is the larger of the two.
+
+#: The read-only passes of the streaming-read measurement: numpy reductions (no store stream,
+#: the GIL released inside the reduction loop).  uint64 add is a plain vectorized integer sum;
+#: float64 add is numpy's pairwise sum, more work per byte (a cross-check: if the two differ
+#: much, the faster one is the memory figure).
+READ_PASSES = (("uint64 add.reduce", "uint64"), ("float64 add.reduce", "float64"))
+
+#: Bytes per thread of the cache-resident control pass (fits any L2): the same reduction on data
+#: that stays in L2 shows how fast the reduction itself can go.
+IN_CACHE_BYTES = 512 << 10
+
+#: The reduction counts as memory-bound (its 1-GiB figure is the memory's, not the loop's) when
+#: it runs at least this much faster on cache-resident data.
+MEMORY_BOUND = 1.25
+
+
+def measure_read_bandwidth(buf, repeats: int = 5) -> dict:
+    """Streaming-read bandwidth: each READ_PASSES reduction over ``buf`` (a float64 array, its
+    pages faulted in) with 1 thread and with 2 threads (one half each), read bytes counted, best
+    of ``repeats``; and over an IN_CACHE_BYTES slice per thread repeated to the same byte count.
+    The reduction is memory-bound when its in-cache rate is well above its 1-GiB rate.
+    ``gbs`` is the best 2-thread figure over the passes, ``method`` the pass that gave it."""
+    import numpy as np
+    from concurrent.futures import ThreadPoolExecutor
+
+    methods = OrderedDict()
+    with ThreadPoolExecutor(1) as one, ThreadPoolExecutor(2) as two:
+        for name, dtype in READ_PASSES:
+            v = buf.view(dtype)                                  # [n] same bytes, another dtype
+            half = v.size // 2
+            t1 = _best_seconds(np.add.reduce, [v], one, repeats)
+            t2 = _best_seconds(np.add.reduce, [v[:half], v[half:]], two, repeats)
+            small = [v[: IN_CACHE_BYTES // v.itemsize].copy() for _ in range(2)]
+            reps = max(1, v.nbytes // 2 // IN_CACHE_BYTES)
+
+            def in_cache(x, reps=reps):
+                for _ in range(reps):
+                    np.add.reduce(x)
+
+            tc = _best_seconds(in_cache, small, two, max(1, repeats // 2))
+            methods[name] = {"gbs_1thread": v.nbytes / t1 / 1e9, "gbs_2threads": v.nbytes / t2 / 1e9,
+                             "in_cache_gbs_2threads": 2 * reps * IN_CACHE_BYTES / tc / 1e9}
+    best = max(methods, key=lambda k: methods[k]["gbs_2threads"])
+    return {"array_bytes": int(buf.nbytes), "repeats": repeats, "methods": methods, "method": best,
+            "gbs": methods[best]["gbs_2threads"],
+            "memory_bound": methods[best]["in_cache_gbs_2threads"] >= MEMORY_BOUND * methods[best]["gbs_2threads"]}
+
+
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
+    """Memory bandwidth of a ``nbytes`` array: numpy copies (read + write bytes counted) and
+    read-only reductions (``read``: see measure_read_bandwidth).
+
+    Best of ``repeats``, with one thread and with two threads (each on one half; numpy releases
+    the GIL for the copy and the reduction).  ``gbs`` (copy) is the larger of the two.
     """
     import numpy as np
     from concurrent.futures import ThreadPoolExecutor
@@ -348,23 +406,16 @@ def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
     src = np.ones(nbytes // 8, dtype=np.float64)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault every page in before timing
-    best1 = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best1 = min(best1, time.perf_counter() - t)
     half = src.size // 2
-    parts = [(dst[:half], src[:half]), (dst[half:], src[half:])]
-    best2 = float("inf")
-    with ThreadPoolExecutor(2) as ex:
-        for _ in range(repeats):
-            t = time.perf_counter()
-            list(ex.map(lambda p: np.copyto(p[0], p[1]), parts))
-            best2 = min(best2, time.perf_counter() - t)
+    with ThreadPoolExecutor(1) as one, ThreadPoolExecutor(2) as two:
+        best1 = _best_seconds(lambda p: np.copyto(p[0], p[1]), [(dst, src)], one, repeats)
+        best2 = _best_seconds(lambda p: np.copyto(p[0], p[1]),
+                              [(dst[:half], src[:half]), (dst[half:], src[half:])], two, repeats)
+    del dst
     moved = 2 * src.nbytes
     g1, g2 = moved / best1 / 1e9, moved / best2 / 1e9
     return {"array_bytes": int(src.nbytes), "repeats": repeats, "gbs_1thread": g1, "gbs_2threads": g2,
-            "gbs": max(g1, g2)}
+            "gbs": max(g1, g2), "read": measure_read_bandwidth(src, repeats)}
 
 
 # ---------------------------------------------------------------------------------------------
