@@ -800,8 +800,8 @@ def verdict_rows(res: dict) -> List[dict]:
     out = [_vs_peer_line(res, "int4", INT4_OVER_Q4_0)]
     read = ((res.get("bandwidth") or {}).get("read") or {}).get("gbs")
     gbs = weight_gbs(res, ref) if ok(ref) else None
-    must = (f"int4 all cached ≥ {100 * READ_SHARE:.0f}% of the 2-thread streaming-read bandwidth "
-            "in weight bytes per second")
+    must = (f"{CONTAINERS['int4']['label']} all cached ≥ {100 * READ_SHARE:.0f}% of the 2-thread streaming-read "
+            "bandwidth in weight bytes per second")
     out.append(_line(must, None if gbs is None or not read else
                      f"{fmt_bytes(res['bytes_per_token']['total'])}/token × {fmt_num(ref['decode_tok_s'], 2)} tok/s "
                      f"(main table) = {gbs:.2f} GB/s; streaming read {read:.2f} GB/s",
@@ -832,7 +832,9 @@ def verdict_rows(res: dict) -> List[dict]:
         rss, budget = r.get("peak_rss_bytes"), r.get("ram_budget_bytes")
         out.append(_line(f"peak RSS ≤ the RAM budget: {label}",
                          f"{fmt_bytes(rss)} of {fmt_bytes(budget)}" if rss and budget else None,
-                         rss / budget if rss and budget else None, "≤ 1.00×", lambda x: x <= 1.0))
+                         rss / budget if rss and budget else None, "≤ 100%", lambda x: x <= 1.0))
+        if out[-1]["ratio"] is not None:
+            out[-1]["ratio_text"] = f"{100 * out[-1]['ratio']:.1f}%"
     N = res.get("params", {}).get("tokens")
     variants = (res.get("engine_rounds") or {}).get("colibri") or {}
     for c in CONTAINERS:
