@@ -3,10 +3,13 @@
 
 Everything in the report is measured in the same invocation on the same machine:
 
-1. colibri (int4 container: int4 experts and dense weights, int8 embedding/lm_head) through its
-   CLI, with every routed expert cached (``--cache-experts 0``) and with 4 experts per layer
-   cached (``--cache-experts 4``); each measurement is a fresh process, one warm-up process first,
-   median of ``--runs``.
+1. colibri through its CLI: the int4 container (int4 experts and dense weights, int8
+   embedding/lm_head) with every routed expert cached (``--cache-experts 0``) and with 4 experts
+   per layer cached (``--cache-experts 4``) over the page cache and with O_DIRECT; the int8
+   container (``--expert-bits 8 --dense-bits 8 --io-bits 8``) all cached; both all cached also at
+   ``--idot 1`` (Q8 activations without the residual of the default ``--idot 2``).  Each
+   measurement is a fresh process, one warm-up process first, median of ``--runs``;
+   ``--skip-int8`` and ``--skip-idot1`` leave those rows (and their engine-only rounds) out.
 2. HF transformers ``GlmMoeDsaForCausalLM`` (eager attention) in bf16 and f32, each dtype in its
    own subprocess (warm-up + ``--runs`` repetitions in it).
 3. llama.cpp through ``llama-cpp-python``: the f32 fixture (indexer padded to head dim 64) is
@@ -16,17 +19,23 @@ Everything in the report is measured in the same invocation on the same machine:
 3b. llama.cpp's engine-only figure: ``llama-bench`` built with cmake (``-DGGML_NATIVE=ON``,
    target llama-bench only) from the same vendored llama.cpp tree into ``--work``, reused while
    that tree is unchanged.  Engine-only rounds (``--runs`` of them) interleave it with colibri:
-   each round runs colibri with every expert cached (the bench prompt; a 512-token prompt) and
-   ``llama-bench -m GGUF -t THREADS -p 32,512 -n 64 -r 1 -o json`` on each GGUF, the order
-   reversed every other round; pp32, pp512, tg64 are avg ± stddev over the rounds (llama-bench's
-   statistics), with colibri ÷ llama-bench of the averages and within each round.  On a CPU with AMX (/proc/cpuinfo flags amx_*), llama.cpp's AMX buffers make Q4_0/Q8_0
+   each round runs each colibri variant (int4 and int8, --idot 2 and 1) with every expert cached
+   (the bench prompt; a 512-token prompt) and ``llama-bench -m GGUF -t THREADS -p 32,512 -n 64 -r 1
+   -o json`` on each GGUF, the order reversed every other round; pp32, pp512, tg64 are avg ±
+   stddev over the rounds (llama-bench's statistics), with each colibri variant ÷ llama-bench on
+   its peer quantization (int4 ÷ Q4_0, int8 ÷ Q8_0) of the averages and within each round.  On a CPU with AMX (/proc/cpuinfo flags amx_*), llama.cpp's AMX buffers make Q4_0/Q8_0
    context creation abort (``GGML_ASSERT(*cur_backend_id != -1)``): llama-bench is then built with
    AMX compiled out (``-mno-amx-*``: ggml's GGML_AMX_* options do nothing under GGML_NATIVE), or
    run with ``--repack 0`` if the built library still has AMX kernels, and llama-cpp-python loads
    with ``use_extra_bufts=False``; the report says which.  ``--long-prompt`` sets the 512.
-4. Weight bytes touched per decoded token by colibri (from the container's tensor sizes), the
-   achieved GB/s and the machine's memory bandwidth (numpy copy of a 1 GiB array, best of 5,
-   read + write bytes counted).
+4. Weight bytes touched per decoded token by colibri (from each container's tensor sizes), the
+   achieved GB/s and the machine's memory bandwidth: streaming read (numpy add.reduce of a 1 GiB
+   array on uint64 and float64 views, each of 2 threads one half, best of 5, read bytes counted,
+   with the same reduction on cache-resident data as a check that it runs at memory speed) and
+   copy (numpy copy, read + write bytes counted).
+5. A verdict table: issue 12's "what must hold" lines with this run's figures and ratios (int4 ÷
+   Q4_0 and int8 ÷ Q8_0 engine-only, int4 weight GB/s ÷ streaming read, page cache ÷ all cached,
+   O_DIRECT ÷ fio, peak RSS ÷ RAM budget per configuration, --idot 2 ÷ --idot 1).
 
 Definitions (the same for every engine):
     prefill tok/s = prompt tokens / wall time of the prompt forward
@@ -336,11 +345,69 @@ def machine_info() -> dict:
     }
 
 
-def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
-    """Memory bandwidth from numpy copies of a ``nbytes`` array (read + write bytes counted).
+def _best_seconds(fn, parts, pool, repeats: int) -> float:
+    """Best wall time of ``repeats`` passes of ``fn`` over ``parts``, one part per pool thread."""
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        list(pool.map(fn, parts))
+        best = min(best, time.perf_counter() - t)
+    return best
 
-    Best of ``repeats``, with one thread and with two threads (each copying one half; numpy
-    releases the GIL for the copy).  ``gbs`` is the larger of the two.
+
+#: The read-only passes of the streaming-read measurement: numpy reductions (no store stream,
+#: the GIL released inside the reduction loop).  uint64 add is a plain vectorized integer sum;
+#: float64 add is numpy's pairwise sum, more work per byte (a cross-check: if the two differ
+#: much, the faster one is the memory figure).
+READ_PASSES = (("uint64 add.reduce", "uint64"), ("float64 add.reduce", "float64"))
+
+#: Bytes per thread of the cache-resident control pass (fits any L2): the same reduction on data
+#: that stays in L2 shows how fast the reduction itself can go.
+IN_CACHE_BYTES = 512 << 10
+
+#: The reduction counts as memory-bound (its 1-GiB figure is the memory's, not the loop's) when
+#: it runs at least this much faster on cache-resident data.
+MEMORY_BOUND = 1.25
+
+
+def measure_read_bandwidth(buf, repeats: int = 5) -> dict:
+    """Streaming-read bandwidth: each READ_PASSES reduction over ``buf`` (a float64 array, its
+    pages faulted in) with 1 thread and with 2 threads (one half each), read bytes counted, best
+    of ``repeats``; and over an IN_CACHE_BYTES slice per thread repeated to the same byte count.
+    The reduction is memory-bound when its in-cache rate is well above its 1-GiB rate.
+    ``gbs`` is the best 2-thread figure over the passes, ``method`` the pass that gave it."""
+    import numpy as np
+    from concurrent.futures import ThreadPoolExecutor
+
+    methods = OrderedDict()
+    with ThreadPoolExecutor(1) as one, ThreadPoolExecutor(2) as two:
+        for name, dtype in READ_PASSES:
+            v = buf.view(dtype)                                  # [n] same bytes, another dtype
+            half = v.size // 2
+            t1 = _best_seconds(np.add.reduce, [v], one, repeats)
+            t2 = _best_seconds(np.add.reduce, [v[:half], v[half:]], two, repeats)
+            small = [v[: IN_CACHE_BYTES // v.itemsize].copy() for _ in range(2)]
+            reps = max(1, v.nbytes // 2 // IN_CACHE_BYTES)
+
+            def in_cache(x, reps=reps):
+                for _ in range(reps):
+                    np.add.reduce(x)
+
+            tc = _best_seconds(in_cache, small, two, max(1, repeats // 2))
+            methods[name] = {"gbs_1thread": v.nbytes / t1 / 1e9, "gbs_2threads": v.nbytes / t2 / 1e9,
+                             "in_cache_gbs_2threads": 2 * reps * IN_CACHE_BYTES / tc / 1e9}
+    best = max(methods, key=lambda k: methods[k]["gbs_2threads"])
+    return {"array_bytes": int(buf.nbytes), "repeats": repeats, "methods": methods, "method": best,
+            "gbs": methods[best]["gbs_2threads"],
+            "memory_bound": methods[best]["in_cache_gbs_2threads"] >= MEMORY_BOUND * methods[best]["gbs_2threads"]}
+
+
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
+    """Memory bandwidth of a ``nbytes`` array: numpy copies (read + write bytes counted) and
+    read-only reductions (``read``: see measure_read_bandwidth).
+
+    Best of ``repeats``, with one thread and with two threads (each on one half; numpy releases
+    the GIL for the copy and the reduction).  ``gbs`` (copy) is the larger of the two.
     """
     import numpy as np
     from concurrent.futures import ThreadPoolExecutor
@@ -348,23 +415,16 @@ def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
     src = np.ones(nbytes // 8, dtype=np.float64)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault every page in before timing
-    best1 = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best1 = min(best1, time.perf_counter() - t)
     half = src.size // 2
-    parts = [(dst[:half], src[:half]), (dst[half:], src[half:])]
-    best2 = float("inf")
-    with ThreadPoolExecutor(2) as ex:
-        for _ in range(repeats):
-            t = time.perf_counter()
-            list(ex.map(lambda p: np.copyto(p[0], p[1]), parts))
-            best2 = min(best2, time.perf_counter() - t)
+    with ThreadPoolExecutor(1) as one, ThreadPoolExecutor(2) as two:
+        best1 = _best_seconds(lambda p: np.copyto(p[0], p[1]), [(dst, src)], one, repeats)
+        best2 = _best_seconds(lambda p: np.copyto(p[0], p[1]),
+                              [(dst[:half], src[:half]), (dst[half:], src[half:])], two, repeats)
+    del dst
     moved = 2 * src.nbytes
     g1, g2 = moved / best1 / 1e9, moved / best2 / 1e9
     return {"array_bytes": int(src.nbytes), "repeats": repeats, "gbs_1thread": g1, "gbs_2threads": g2,
-            "gbs": max(g1, g2)}
+            "gbs": max(g1, g2), "read": measure_read_bandwidth(src, repeats)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,47 +588,272 @@ def _avg_sd(t: Optional[dict]) -> str:
     return "–" if not t else f"{fmt_num(t['avg_ts'])} ± {fmt_num(t['stddev_ts'])}"
 
 
+def colibri_ref(rows: List[dict], r: dict) -> Optional[dict]:
+    """The colibri row a peer row ``r`` of the main table is set against: colibri's all-cached
+    --idot 2 row of the container whose peer quantization ``r`` is (int8 for Q8_0), else the
+    reference row (int4); None when that row failed or there is none."""
+    same = next((x for x in rows if x.get("engine") == "colibri" and x.get("cached") == "all"
+                 and x.get("idot", 2) == 2 and x.get("peer") == r.get("weights")), None)
+    mine = same or next((x for x in rows if x.get("ref")), None)
+    return None if mine is None or mine.get("error") else mine
+
+
+def _x(v: Optional[float]) -> str:
+    return "–" if v is None else f"{v:.2f}×"
+
+
+def _round_keys(res: dict) -> List[str]:
+    """The engine-only tests: ppP (the bench's prompt), ppL (the long prompt), tgN."""
+    p = res.get("params", {})
+    P, L, N = p.get("prompt_len"), p.get("long_prompt") or 0, p.get("tokens")
+    return [f"pp{P}"] + ([f"pp{L}"] if L and L != P else []) + [f"tg{N}"]
+
+
+def idot_costs(variants: Dict[str, dict], keys: Sequence[str]) -> List[str]:
+    """'int4 (io int8): pp32 0.97×, ...' per container measured at both --idot 2 and --idot 1:
+    --idot 2 ÷ --idot 1 of the engine-only averages (< 1 = what exactness costs)."""
+    out = []
+    for c in variants.values():
+        if c.get("idot") != 2:
+            continue
+        one = next((o for o in variants.values() if o.get("container") == c.get("container") and o.get("idot") == 1),
+                   None)
+        if one is None:
+            continue
+        got = [(k, (c["tests"].get(k) or {}).get("avg_ts"), (one["tests"].get(k) or {}).get("avg_ts")) for k in keys]
+        got = [f"{k} {fmt_ratio(a, b)}" for k, a, b in got if a and b]
+        if got:
+            out.append(f"{c['weights']}: " + ", ".join(got))
+    return out
+
+
 def engine_only_table(res: dict) -> List[str]:
-    """Report lines: colibri (all experts cached) against llama-bench, llama.cpp without Python,
-    from the interleaved engine-only rounds: ppP (the bench's prompt), ppL (the long prompt) and
-    tgN, avg ± stddev over the rounds, colibri ÷ llama-bench of the averages and, per round, its
-    range.  [] when the run has neither llama-bench rows nor rounds."""
+    """Report lines: colibri (all experts cached; one row per variant: int4 and int8 at --idot 2
+    and --idot 1) and llama-bench, llama.cpp without Python, from the interleaved engine-only
+    rounds: ppP (the bench's prompt), ppL (the long prompt) and tgN, avg ± stddev over the
+    rounds; each colibri row ÷ the llama-bench row of its peer quantization (Q4_0 for int4, Q8_0
+    for int8) of the averages and, per round, its range; --idot 2 ÷ --idot 1.  [] when the run
+    has neither llama-bench rows nor rounds."""
     rows = res.get("rows", [])
     lbs = [r for r in rows if r.get("engine") == LB]
     rounds = res.get("engine_rounds") or {}
     if not lbs and not rounds:
         return []
-    p = res.get("params", {})
-    P, L, N = p.get("prompt_len"), p.get("long_prompt") or 0, p.get("tokens")
-    col = rounds.get("colibri") or {}
-    keys = [f"pp{P}"] + ([f"pp{L}"] if L and L != P else []) + [f"tg{N}"]
-    headers = (["engine", "weights"] + [f"{k} tok/s" for k in keys] + [f"colibri ÷ {k}" for k in keys]
+    L = res.get("params", {}).get("long_prompt") or 0
+    keys = _round_keys(res)
+    variants = rounds.get("colibri") or {}
+    headers = (["engine", "weights"] + [f"{k} tok/s" for k in keys] + ["peer"] + [f"colibri ÷ peer {k}" for k in keys]
                + ["note"])
-    cerr = (rounds.get("errors") or {})
-    body = [["colibri", "int4 (io int8), all experts cached"] + [_avg_sd(col.get(k)) for k in keys]
-            + ["–"] * len(keys)
-            + ["; ".join(f"FAILED: {_short(e)}" for n, e in cerr.items() if n.startswith("colibri"))
-               or (f"pp{L} = a {L}-token prompt" if L else "")]]
-    ranges = []
+    body, ranges = [], []
+    for c in variants.values():
+        tests, ratios = c.get("tests") or {}, c.get("ratios") or {}
+        note = ("; ".join(f"FAILED: {_short(e)}" for e in c.get("errors") or [])
+                or ("--idot 2 (the default)" if c.get("idot") == 2 else f"--idot {c.get('idot')}"))
+        body.append(["colibri", f"{c['weights']}, all experts cached"] + [_avg_sd(tests.get(k)) for k in keys]
+                    + [f"llama-bench {c['peer']}" if ratios else "–"] + [_x(ratios.get(k)) for k in keys] + [note])
+        rr = c.get("round_ratios") or {}
+        if any(rr.values()):
+            ranges.append(f"{c['weights']} ÷ {c['peer']}: " + ", ".join(
+                f"{k} {min(rr[k]):.2f}–{max(rr[k]):.2f}×" for k in keys if rr.get(k)))
     for r in lbs:
         if r.get("error"):
-            body.append([r["engine"], r.get("weights", "")] + ["–"] * (2 * len(keys)) + ["FAILED: " + _short(r["error"])])
+            body.append([r["engine"], r.get("weights", "")] + ["–"] * (2 * len(keys) + 1) + ["FAILED: " + _short(r["error"])])
             continue
         tests = r["llama_bench"]["tests"]
-        body.append([r["engine"], r.get("weights", "")] + [_avg_sd(tests.get(k)) for k in keys]
-                    + [fmt_ratio((col.get(k) or {}).get("avg_ts"), (tests.get(k) or {}).get("avg_ts")) for k in keys]
+        body.append([r["engine"], r.get("weights", "")] + [_avg_sd(tests.get(k)) for k in keys] + ["–"] * (len(keys) + 1)
                     + [((res.get("llama") or {}).get("amx_note") or "")])
-        rr = r.get("round_ratios") or {}
-        if rr:
-            ranges.append(f"{r.get('weights')}: " + ", ".join(
-                f"{k} {min(rr[k]):.2f}–{max(rr[k]):.2f}×" for k in keys if rr.get(k)))
     n = rounds.get("rounds_kept", 0)
-    out = ["", f"Engine only: colibri (all experts cached) against llama-bench (llama.cpp's own benchmark, no "
-               f"Python), measured in the same {n} interleaved round{'' if n == 1 else 's'}; tok/s, avg ± stddev over the rounds; "
-               "ratios of the averages, > 1 = colibri faster:", "", markdown_table(headers, body)]
+    out = ["", f"Engine only: colibri (all experts cached) and llama-bench (llama.cpp's own benchmark, no Python), "
+               f"measured in the same {n} interleaved round{'' if n == 1 else 's'}; tok/s, avg ± stddev over the rounds"
+               + (f" (pp{L} = a {L}-token prompt)" if L else "") + "; each colibri row ÷ llama-bench on its peer "
+               "quantization (int4 ÷ Q4_0, int8 ÷ Q8_0), ratios of the averages, > 1 = colibri faster:", "",
+           markdown_table(headers, body)]
     if ranges:
-        out += ["", "colibri ÷ llama-bench within each round (min – max): " + "; ".join(ranges) + "."]
+        out += ["", "colibri ÷ its peer within each round (min – max): " + "; ".join(ranges) + "."]
+    costs = idot_costs(variants, keys)
+    if costs:
+        out += ["", "--idot 2 (the default: integer dots on Q8 activations + their Q8 residual, near-float "
+                    "accuracy) ÷ --idot 1 (Q8 activations only), the averages above (< 1 = what the residual "
+                    "costs): " + "; ".join(costs) + "."]
     return out
+
+
+def _bpts(res: dict) -> Dict[str, dict]:
+    """container -> its weight bytes per token, for the containers the run measured."""
+    return OrderedDict((c, res[bpt_key(c)]) for c in CONTAINERS if res.get(bpt_key(c)))
+
+
+def weight_gbs(res: dict, r: dict) -> Optional[float]:
+    """Weight GB/s of colibri row ``r``: its container's bytes per token × its decode tok/s."""
+    bpt = _bpts(res).get(r.get("container", "int4"))
+    if not bpt or r.get("error") or not r.get("decode_tok_s"):
+        return None
+    return bpt["total"] * r["decode_tok_s"] / 1e9
+
+
+def _pct(a: Optional[float], b: Optional[float]) -> str:
+    return "–" if a is None or not b else f"{100 * a / b:.1f}%"
+
+
+def read_method_text(read: dict) -> str:
+    """How the streaming-read figure was measured, and each pass's figures."""
+    parts = [f"{name}: {m['gbs_1thread']:.2f} GB/s with 1 thread, {m['gbs_2threads']:.2f} with 2, "
+             f"{m['in_cache_gbs_2threads']:.2f} on {IN_CACHE_BYTES >> 10} KiB per thread in cache"
+             for name, m in read["methods"].items()]
+    best = read["methods"][read["method"]]
+    bound = (f"the reduction runs {best['in_cache_gbs_2threads'] / best['gbs_2threads']:.1f}× faster in cache, so "
+             f"the {read['array_bytes'] / 2**30:.0f}-GiB figure is the memory's" if read.get("memory_bound") else
+             "the reduction runs barely faster in cache: the figure may be the loop's limit, a lower bound of the "
+             "memory's")
+    return (f"Streaming read (read bytes only, numpy reductions over a {read['array_bytes'] / 2**30:.0f}-GiB array, "
+            f"each thread one half, best of {read['repeats']}): " + "; ".join(parts)
+            + f". The read bandwidth is {read['method']}'s 2-thread figure; {bound}.")
+
+
+def weight_bytes_tables(res: dict) -> List[str]:
+    """Report lines: the weight bytes a decoded token reads (per component, per container) and
+    each colibri row's weight GB/s against the machine's streaming-read and copy bandwidths."""
+    bpts = _bpts(res)
+    if not bpts:
+        return []
+    rows = res.get("rows", [])
+    bw = res.get("bandwidth") or {}
+    read = bw.get("read") or {}
+    labels = [CONTAINERS[c]["label"] for c in bpts]
+    out = ["", "Weight bytes read per decoded token (colibri's containers: " + ", ".join(labels) + "):", ""]
+    comp_rows = [[k] + [fmt_bytes(b["components"].get(k)) for b in bpts.values()]
+                 for k in COMPONENTS if any(b["components"].get(k) for b in bpts.values())]
+    comp_rows.append(["**total**"] + ["**" + fmt_bytes(b["total"]) + "**" for b in bpts.values()])
+    out.append(markdown_table(["component"] + [f"{lb} bytes / token" for lb in labels], comp_rows))
+    out.append("")
+    bw_rows = []
+    for r in rows:
+        gbs = weight_gbs(res, r) if r.get("engine") == "colibri" else None
+        if gbs is None:
+            continue
+        bw_rows.append([f"colibri {r.get('weights')}, {r.get('cached')} experts cached", fmt_num(r["decode_tok_s"], 2),
+                        fmt_num(gbs, 2), _pct(gbs, read.get("gbs")), _pct(gbs, bw.get("gbs")),
+                        fmt_bytes(r.get("expert_load_bytes_per_token"))])
+    if read.get("gbs"):
+        bw_rows.append([f"streaming read ({read['method']} of {read['array_bytes'] / 2**30:.0f} GiB, 2 threads, "
+                        f"best of {read['repeats']})", "–", fmt_num(read["gbs"], 2), "100%",
+                        _pct(read["gbs"], bw.get("gbs")), "–"])
+    if bw.get("gbs"):
+        bw_rows.append([f"copy (numpy copy of {bw.get('array_bytes', 1 << 30) / 2**30:.0f} GiB, read+write, best of "
+                        f"{bw.get('repeats', 5)})", "–", fmt_num(bw["gbs"], 2), _pct(bw["gbs"], read.get("gbs")),
+                        "100%", "–"])
+    out.append(markdown_table(["", "decode tok/s", "weight GB/s", "% of streaming read", "% of copy",
+                               "expert bytes loaded / token"], bw_rows))
+    if bw.get("gbs"):
+        out += ["", f"numpy copy: {bw['gbs_1thread']:.2f} GB/s with 1 thread, {bw['gbs_2threads']:.2f} GB/s with 2 "
+                    "threads (read + write bytes counted)."]
+    if read.get("methods"):
+        out += ["", read_method_text(read)]
+    return out
+
+
+#: Issue 12's "what must hold" bars, judged from one run.
+INT4_OVER_Q4_0 = 1.2      # colibri int4 all cached ÷ llama-bench Q4_0 (tgN, engine-only rounds)
+READ_SHARE = 0.60         # int4 all-cached weight bytes/s ÷ the 2-thread streaming-read bandwidth
+INT8_OVER_Q8_0 = 1.2      # colibri int8 all cached ÷ llama-bench Q8_0 (tgN, engine-only rounds)
+PAGED_OVER_ALL = 0.8      # 4 experts/layer from the page cache ÷ all cached (colibri decode)
+DIRECT_OVER_FIO = 0.85    # colibri's O_DIRECT read GB/s ÷ fio's best on the same file
+
+
+def _line(must: str, measured: Optional[str], ratio: Optional[float], target: str, ok) -> dict:
+    """One verdict row; ``measured`` None = not measured in this run (holds None)."""
+    if measured is None:
+        return {"must_hold": must, "measured": "not measured in this run", "ratio": None, "target": target,
+                "holds": None}
+    return {"must_hold": must, "measured": measured, "ratio": ratio, "target": target,
+            "holds": None if ratio is None or ok is None else bool(ok(ratio))}
+
+
+def _vs_peer_line(res: dict, name: str, target: float) -> dict:
+    """colibri variant ``name`` ÷ llama-bench on its peer quantization, tgN of the engine-only
+    rounds (the averages; the within-round range in the text)."""
+    p = res.get("params", {})
+    N = p.get("tokens")
+    key = f"tg{N}"
+    c = ((res.get("engine_rounds") or {}).get("colibri") or {}).get(name)
+    peer = CONTAINERS[name]["peer"]
+    must = f"{CONTAINERS[name]['label']} all cached ≥ {target:.1f}× llama-bench {peer} ({key}, engine-only rounds)"
+    ratio = (c or {}).get("ratios", {}).get(key)
+    if ratio is None:
+        return _line(must, None, None, f"≥ {target:.2f}×", None)
+    lb = next(r for r in res.get("rows", []) if r.get("engine") == LB and r.get("weights") == peer)
+    rr = c["round_ratios"].get(key) or []
+    n = (res.get("engine_rounds") or {}).get("rounds_kept", 0)
+    text = (f"colibri {fmt_num(c['tests'][key]['avg_ts'])} tok/s, llama-bench {peer} "
+            f"{fmt_num(lb['llama_bench']['tests'][key]['avg_ts'])} tok/s (avg of {n} round{'' if n == 1 else 's'}"
+            + (f"; within a round {min(rr):.2f}–{max(rr):.2f}×" if rr else "") + ")")
+    return _line(must, text, ratio, f"≥ {target:.2f}×", lambda x: x >= target)
+
+
+def verdict_rows(res: dict) -> List[dict]:
+    """Issue 12's "what must hold" lines with this run's figures: {'must_hold', 'measured',
+    'ratio', 'target', 'holds' (True/False, None = not measured or no bar)}."""
+    rows = res.get("rows", [])
+    col = [r for r in rows if r.get("engine") == "colibri"]
+    ref = next((r for r in col if r.get("ref")), None)
+    ok = lambda r: r is not None and not r.get("error")  # noqa: E731
+    out = [_vs_peer_line(res, "int4", INT4_OVER_Q4_0)]
+    read = ((res.get("bandwidth") or {}).get("read") or {}).get("gbs")
+    gbs = weight_gbs(res, ref) if ok(ref) else None
+    must = (f"{CONTAINERS['int4']['label']} all cached ≥ {100 * READ_SHARE:.0f}% of the 2-thread streaming-read "
+            "bandwidth in weight bytes per second")
+    out.append(_line(must, None if gbs is None or not read else
+                     f"{fmt_bytes(res['bytes_per_token']['total'])}/token × {fmt_num(ref['decode_tok_s'], 2)} tok/s "
+                     f"(main table) = {gbs:.2f} GB/s; streaming read {read:.2f} GB/s",
+                     None if gbs is None or not read else gbs / read, f"≥ {100 * READ_SHARE:.0f}%",
+                     lambda x: x >= READ_SHARE))
+    if out[-1]["ratio"] is not None:
+        out[-1]["ratio_text"] = f"{100 * out[-1]['ratio']:.1f}%"
+    out.append(_vs_peer_line(res, "int8", INT8_OVER_Q8_0))
+    paged = next((r for r in col if r.get("cached") == "4 (page cache)"), None)
+    must = f"4 experts/layer from the page cache ≥ {PAGED_OVER_ALL:.1f}× colibri's all-cached decode"
+    both = ok(paged) and ok(ref) and paged.get("decode_tok_s") and ref.get("decode_tok_s")
+    out.append(_line(must, f"{fmt_num(paged['decode_tok_s'], 2)} ÷ {fmt_num(ref['decode_tok_s'], 2)} tok/s "
+                     "(int4, main table)" if both else None,
+                     paged["decode_tok_s"] / ref["decode_tok_s"] if both else None,
+                     f"≥ {PAGED_OVER_ALL:.2f}×", lambda x: x >= PAGED_OVER_ALL))
+    direct = next((r for r in col if "O_DIRECT" in str(r.get("cached"))), None)
+    fio = (res.get("disk") or {}).get("best_gbs")
+    tool = (res.get("disk") or {}).get("tool") or "fio"
+    must = f"O_DIRECT reads ≥ {DIRECT_OVER_FIO:.2f}× {tool}'s best on the same file"
+    both = ok(direct) and direct.get("read_gb_s") and fio
+    out.append(_line(must, f"{direct['read_gb_s']:.2f} GB/s ÷ {fio:.2f} GB/s" if both else None,
+                     direct["read_gb_s"] / fio if both else None, f"≥ {DIRECT_OVER_FIO:.2f}×",
+                     lambda x: x >= DIRECT_OVER_FIO))
+    configs = [(f"colibri {r.get('weights')}, {r.get('cached')} cached", r) for r in col if ok(r)]
+    configs += [(f"colibri {c['weights']}, engine-only rounds", c)
+                for c in ((res.get("engine_rounds") or {}).get("colibri") or {}).values()]
+    for label, r in configs:
+        rss, budget = r.get("peak_rss_bytes"), r.get("ram_budget_bytes")
+        out.append(_line(f"peak RSS ≤ the RAM budget: {label}",
+                         f"{fmt_bytes(rss)} of {fmt_bytes(budget)}" if rss and budget else None,
+                         rss / budget if rss and budget else None, "≤ 100%", lambda x: x <= 1.0))
+        if out[-1]["ratio"] is not None:
+            out[-1]["ratio_text"] = f"{100 * out[-1]['ratio']:.1f}%"
+    N = res.get("params", {}).get("tokens")
+    variants = (res.get("engine_rounds") or {}).get("colibri") or {}
+    for c in CONTAINERS:
+        two, one = variants.get(c), variants.get(f"{c} --idot 1")
+        a = ((two or {}).get("tests", {}).get(f"tg{N}") or {}).get("avg_ts")
+        b = ((one or {}).get("tests", {}).get(f"tg{N}") or {}).get("avg_ts")
+        out.append(_line(f"--idot 1 measured side by side: {CONTAINERS[c]['label']} --idot 2 ÷ --idot 1 (tg{N}, "
+                         "engine-only rounds)", f"{fmt_num(a)} ÷ {fmt_num(b)} tok/s" if a and b else None,
+                         a / b if a and b else None, "(no bar: what --idot 2 costs)", None))
+    return out
+
+
+def verdict_table(res: dict) -> List[str]:
+    """Report lines: the verdict table (verdict_rows) at the end of the report."""
+    vr = res.get("verdict") or verdict_rows(res)
+    body = [[v["must_hold"], v["measured"], v.get("ratio_text") or _x(v["ratio"]), v["target"],
+             "–" if v["holds"] is None else ("yes" if v["holds"] else "**no**")] for v in vr]
+    return ["", "Issue 12's \"what must hold\", from this run (medians and averages as in the tables above):", "",
+            markdown_table(["must hold", "measured", "ratio", "target", "holds"], body)]
 
 
 def render_report(res: dict) -> str:
@@ -589,29 +874,33 @@ def render_report(res: dict) -> str:
     lines.append(f"Prompt {p.get('prompt_len')} tokens, {p.get('tokens')} tokens greedy; median of "
                  f"{p.get('runs')} runs after one warm-up. Measured {res.get('date', '')}.")
     lines.append("")
-    ref = next((r for r in rows if r.get("ref")), None)
     headers = ["engine", "weights", "experts cached", "size on disk", "prefill tok/s", "decode tok/s",
                "peak RSS", "colibri ÷ peer prefill", "colibri ÷ peer decode", "greedy = HF f32", "note"]
     body = []
+    used: Dict[str, List[str]] = OrderedDict()  # colibri row label -> the peers set against it
     for r in rows:
         err = r.get("error")
-        is_col = r.get("engine") == "colibri"
+        mine = None if r.get("engine") == "colibri" else colibri_ref(rows, r)
+        if mine is not None and not err:
+            used.setdefault(f"colibri {mine.get('weights')}, {mine.get('cached')} experts cached", []).append(
+                r.get("weights", ""))
         body.append([
             r.get("engine", ""), r.get("weights", ""), r.get("cached", "–"),
             fmt_bytes(r.get("size_bytes")),
             "–" if err else fmt_num(r.get("prefill_tok_s")),
             "–" if err else fmt_num(r.get("decode_tok_s"), 2),
             fmt_bytes(r.get("peak_rss_bytes")),
-            "–" if err or is_col or ref is None else fmt_ratio(ref.get("prefill_tok_s"), r.get("prefill_tok_s")),
-            "–" if err or is_col or ref is None else fmt_ratio(ref.get("decode_tok_s"), r.get("decode_tok_s")),
+            "–" if err or mine is None else fmt_ratio(mine.get("prefill_tok_s"), r.get("prefill_tok_s")),
+            "–" if err or mine is None else fmt_ratio(mine.get("decode_tok_s"), r.get("decode_tok_s")),
             _prefix(r),
             ("FAILED: " + _short(err)) if err else r.get("note", ""),
         ])
     lines.append(markdown_table(headers, body))
-    if ref is not None:
+    if used:
         lines.append("")
-        lines.append(f"Ratios: colibri {ref.get('weights')}, {ref.get('cached')} experts cached ÷ peer "
-                     "(> 1 = colibri faster).")
+        lines.append("Ratios: colibri ÷ peer (> 1 = colibri faster); "
+                     + "; ".join(f"{', '.join(dict.fromkeys(peers))} rows against {label}"
+                                 for label, peers in used.items()) + ".")
     lines.extend(engine_only_table(res))
     spread = [r for r in rows if not r.get("error") and r.get("decode_samples")]
     if spread:
@@ -627,34 +916,7 @@ def render_report(res: dict) -> str:
                           f"{fmt_num(min(pf))} – {fmt_num(max(pf))}" if pf else "–",
                           f"{fmt_num(min(dc), 2)} – {fmt_num(max(dc), 2)}"])
         lines.append(markdown_table(["configuration", "prefill tok/s", "decode tok/s"], srows))
-    bpt = res.get("bytes_per_token")
-    bw = res.get("bandwidth")
-    if bpt:
-        lines.append("")
-        lines.append("Weight bytes read per decoded token (colibri int4 container):")
-        lines.append("")
-        comp_rows = [[k, fmt_bytes(v)] for k, v in bpt["components"].items() if v]
-        comp_rows.append(["**total**", "**" + fmt_bytes(bpt["total"]) + "**"])
-        lines.append(markdown_table(["component", "bytes / token"], comp_rows))
-        lines.append("")
-        bw_rows = []
-        for r in rows:
-            if r.get("engine") != "colibri" or r.get("error") or not r.get("decode_tok_s"):
-                continue
-            gbs = bpt["total"] * r["decode_tok_s"] / 1e9
-            bw_rows.append([f"colibri, {r.get('cached')} experts cached", fmt_num(r["decode_tok_s"], 2),
-                            fmt_num(gbs, 2),
-                            f"{100 * gbs / bw['gbs']:.1f}%" if bw and bw.get("gbs") else "–",
-                            fmt_bytes(r.get("expert_load_bytes_per_token"))])
-        if bw:
-            bw_rows.append(["memory bandwidth (numpy copy of 1 GiB, read+write, best of 5)", "–",
-                            fmt_num(bw["gbs"], 2), "100%", "–"])
-        lines.append(markdown_table(["", "decode tok/s", "weight GB/s", "% of bandwidth",
-                                     "expert bytes loaded / token"], bw_rows))
-        if bw:
-            lines.append("")
-            lines.append(f"numpy copy: {bw['gbs_1thread']:.2f} GB/s with 1 thread, "
-                         f"{bw['gbs_2threads']:.2f} GB/s with 2 threads.")
+    lines.extend(weight_bytes_tables(res))
     disk = res.get("disk")
     if disk and disk.get("best_gbs"):
         lines.append("")
@@ -687,6 +949,7 @@ def render_report(res: dict) -> str:
         lines.append("")
         for n in notes:
             lines.append(f"- {n}")
+    lines.extend(verdict_table(res))
     return "\n".join(lines) + "\n"
 
 
@@ -713,16 +976,42 @@ def fixture_weights(model_dir: str) -> str:
     return os.path.join(model_dir, files[-1])
 
 
-def ensure_int4(model_dir: str, dst: str) -> Optional[str]:
-    """The int4 container of the fixture (converted when missing or older); error text or None."""
+#: colibri's containers of the fixture: name -> convert bits (experts, dense, io), the tables'
+#: weights label, and the llama.cpp quantization it is set against.
+CONTAINERS = OrderedDict([
+    ("int4", {"bits": (4, 4, 8), "label": "int4 (io int8)", "peer": "Q4_0"}),
+    ("int8", {"bits": (8, 8, 8), "label": "int8", "peer": "Q8_0"}),
+])
+
+
+def ensure_container(model_dir: str, dst: str, name: str) -> Optional[str]:
+    """The CONTAINERS[name] container of the fixture in ``dst`` (converted when missing or older
+    than the fixture); error text or None."""
     stamp = os.path.join(dst, "colibri_convert.json")
     if _newer(stamp, fixture_weights(model_dir)):
         return None
+    e, d, io = CONTAINERS[name]["bits"]
     r = _run([sys.executable, "-m", "colibri", "convert", model_dir, dst,
-              "--expert-bits", "4", "--dense-bits", "4", "--io-bits", "8"], what="colibri convert")
+              "--expert-bits", str(e), "--dense-bits", str(d), "--io-bits", str(io)],
+             what=f"colibri convert ({name})")
     if r.returncode != 0:
-        return "colibri convert: " + last_error_line(r.stderr + r.stdout)
+        return f"colibri convert ({name}): " + last_error_line(r.stderr + r.stdout)
     return None
+
+
+def colibri_variants(containers: Sequence[str], idots: Sequence[int]) -> List[dict]:
+    """The colibri configurations measured with every expert cached (main table and engine-only
+    rounds): each container at each ``--idot`` (2 = the default, exact; 1 = plain Q8
+    activations).  name: 'int4', 'int4 --idot 1', ...; weights: the tables' label; extra: the
+    run options."""
+    out = []
+    for c in containers:
+        for idot in idots:
+            flag = "" if idot == 2 else f" --idot {idot}"
+            out.append({"name": c + flag, "container": c, "idot": idot, "peer": CONTAINERS[c]["peer"],
+                        "weights": CONTAINERS[c]["label"] + ("," + flag if flag else ""),
+                        "extra": () if idot == 2 else ("--idot", str(idot))})
+    return out
 
 
 def dir_bytes(d: str, suffix: str = ".safetensors") -> int:
@@ -759,7 +1048,8 @@ def run_colibri(container: str, prompt: List[int], n_tokens: int, cache: int, th
 
     def measure(i):
         got = colibri_once(container, prompt, n_tokens, cache, threads, work, extra,
-                           what=f"colibri cache={cache} {'warm-up' if i == 0 else f'run {i}'}")
+                           what=f"colibri {os.path.basename(container)} cache={cache} {' '.join(extra)} "
+                                f"{'warm-up' if i == 0 else f'run {i}'}")
         if "error" in got:
             failure.append(got["error"])
             return None
@@ -778,6 +1068,7 @@ def run_colibri(container: str, prompt: List[int], n_tokens: int, cache: int, th
     out["decode_tokens"] = samples[-1]["decode_tokens"]
     out["tokens"] = samples[-1]["tokens"]
     out["peak_rss_bytes"] = max(s["peak_rss_bytes"] for s in samples)
+    out["ram_budget_bytes"] = min((s["ram_budget_bytes"] for s in samples if s.get("ram_budget_bytes")), default=None)
     out["resident_bytes"] = samples[-1].get("resident_bytes")
     looks = samples[-1]["expert_hits"] + samples[-1]["expert_misses"]
     out["expert_hit_rate"] = samples[-1]["expert_hits"] / looks if looks else None
@@ -1376,39 +1667,42 @@ def llama_bench_once(build: dict, gguf: str, threads: int, lens: Sequence[int], 
         return {"error": f"llama-bench: {e}: " + last_error_line(r.stderr + "\n" + r.stdout)}
 
 
-def run_engine_rounds(container: Optional[str], lb_rows: List[dict], build: dict, prompt: List[int],
+def run_engine_rounds(variants: List[dict], lb_rows: List[dict], build: dict, prompt: List[int],
                       long_prompt: List[int], args, work: str) -> dict:
-    """colibri (every expert cached) and llama-bench on each GGUF, interleaved: ``--runs`` rounds,
-    each one colibri process with the bench prompt (-> ppP, tgN), one with the long prompt
-    (-> ppL) and one llama-bench -r 1 per GGUF, the order reversed every other round.  A round
-    during which other processes took >= DISTURBED of the CPUs in any of its measurements is
-    discarded (up to ``--retries`` extra rounds).  Fills ``lb_rows`` with llama-bench's figures
-    (samples pooled over the rounds); returns colibri's figures and the per-round record."""
+    """colibri (every expert cached, each of ``variants``: colibri_variants with 'path' and
+    'error') and llama-bench on each GGUF, interleaved: ``--runs`` rounds, each one colibri
+    process per variant with the bench prompt (-> ppP, tgN), one with the long prompt (-> ppL)
+    and one llama-bench -r 1 per GGUF, the order reversed every other round.  A round during
+    which other processes took >= DISTURBED of the CPUs in any of its measurements is discarded
+    (up to ``--retries`` extra rounds).  Fills ``lb_rows`` with llama-bench's figures (samples
+    pooled over the rounds); returns the per-round record and, in 'colibri', each variant's
+    figures and its ratios to the llama-bench row of its peer quantization (colibri_figures)."""
     P, L, N = len(prompt), len(long_prompt), args.tokens
     lens = [P] + ([L] if L and L != P else [])
     out = {"engine": "engine-only rounds", "weights": "colibri + llama-bench", "rounds": [], "gates": []}
     errors: Dict[str, str] = {}
-
-    def colibri_steps():
-        if not container:
-            return []
-        steps = [("colibri", lambda: colibri_once(container, prompt, N, 0, args.threads, work,
-                                                  what="colibri (engine-only round)"))]
-        if L:
-            steps.append(("colibri long", lambda: colibri_once(container, long_prompt, 2, 0, args.threads, work,
-                                                               what=f"colibri {L}-token prompt (engine-only round)")))
-        return steps
-
+    colibri_steps = []
+    for v in variants:
+        name = f"colibri {v['name']}"
+        if v.get("error"):
+            errors[name] = v["error"]
+            continue
+        colibri_steps.append((name, lambda v=v: colibri_once(v["path"], prompt, N, 0, args.threads, work, v["extra"],
+                                                             what=f"colibri {v['name']} (engine-only round)")))
+        if L and L != P:
+            colibri_steps.append((name + " long", lambda v=v: colibri_once(
+                v["path"], long_prompt, 2, 0, args.threads, work, v["extra"],
+                what=f"colibri {v['name']} {L}-token prompt (engine-only round)")))
     lb_steps = [(r["weights"], (lambda g=r["gguf"]: llama_bench_once(build, g, args.threads, lens, N, args.timeout)))
                 for r in lb_rows]
-    for name, step in colibri_steps():  # warm-up: page cache, first-process costs
+    for name, step in colibri_steps:  # warm-up: page cache, first-process costs
         got = step()
         if "error" in got:
             errors[name] = got["error"]
     clean, dirty = [], []
     attempts = 0
     while len(clean) < args.runs and attempts < args.runs + args.retries:
-        steps = [(n, f) for n, f in colibri_steps() + lb_steps if n not in errors]
+        steps = [(n, f) for n, f in colibri_steps + lb_steps if n not in errors]
         if not steps:
             break
         if attempts % 2:
@@ -1430,15 +1724,6 @@ def run_engine_rounds(container: Optional[str], lb_rows: List[dict], build: dict
         out["rounds"].append({k: v for k, v in rnd.items() if k != "results"})
     kept = clean if clean else dirty
     out.update(clean=bool(clean), disturbed=len(dirty), rounds_kept=len(kept), others=[f for r in out["rounds"] for f in r["others"].values()])
-    col = {}
-    if container and "colibri" not in errors:
-        rates = [colibri_rates(r["results"]["colibri"]) for r in kept if "colibri" in r["results"]]
-        col[f"pp{P}"] = ts_stats([p for p, _ in rates])
-        col[f"tg{N}"] = ts_stats([d for _, d in rates if d is not None])
-    if container and L and "colibri long" not in errors:
-        col[f"pp{L}"] = ts_stats([colibri_rates(r["results"]["colibri long"])[0] for r in kept
-                                  if "colibri long" in r["results"]])
-    out["colibri"] = col
     out["errors"] = errors
     for row in lb_rows:
         name = row["weights"]
@@ -1450,20 +1735,51 @@ def run_engine_rounds(container: Optional[str], lb_rows: List[dict], build: dict
         row["command"] = " ".join(llama_bench_cmd(build["binary"], row["gguf"], args.threads, lens, N, 1,
                                                   build.get("repack_off", False)))
         row["note"] = llama_bench_note(merged, L, build.get("amx_note", ""))
-        for key in (f"pp{P}", f"tg{N}", f"pp{L}"):
-            c, t = col.get(key), merged["tests"].get(key)
-            ratios = [colibri_over_round(r, name, key, P, N, L) for r in kept]
-            ratios = [x for x in ratios if x is not None]
-            if c and t and ratios:
-                row.setdefault("round_ratios", {})[key] = ratios
+    out["colibri"] = OrderedDict((v["name"], colibri_figures(v, kept, errors, lb_rows, P, N, L)) for v in variants)
     return out
 
 
-def colibri_over_round(rnd: dict, name: str, key: str, P: int, N: int, L: int) -> Optional[float]:
-    """colibri ÷ llama-bench (GGUF ``name``) for test ``key`` within one round."""
+def colibri_figures(v: dict, kept: List[dict], errors: Dict[str, str], lb_rows: List[dict], P: int, N: int,
+                    L: int) -> dict:
+    """Variant ``v``'s figures over the ``kept`` rounds: 'tests' (ppP, tgN from its bench-prompt
+    processes, ppL from its long-prompt ones: avg, stddev, samples), its peak RSS and RAM budget
+    over all its processes, and against the llama-bench row of its peer quantization (when that
+    ran): 'ratios' (of the averages) and 'round_ratios' (within each round)."""
+    short = f"colibri {v['name']}"
+    long_ = short + " long"
+    tests = OrderedDict()
+    if short not in errors:
+        rates = [colibri_rates(r["results"][short]) for r in kept if short in r["results"]]
+        tests[f"pp{P}"] = ts_stats([p for p, _ in rates])
+        if L and L != P and long_ not in errors:
+            tests[f"pp{L}"] = ts_stats([colibri_rates(r["results"][long_])[0] for r in kept if long_ in r["results"]])
+        tests[f"tg{N}"] = ts_stats([d for _, d in rates if d is not None])
+    stats = [r["results"][n] for r in kept for n in (short, long_) if n in r["results"]]
+    out = {"weights": v["weights"], "peer": v["peer"], "container": v["container"], "idot": v["idot"],
+           "tests": tests, "errors": [errors[n] for n in (short, long_) if n in errors],
+           "peak_rss_bytes": max((s["peak_rss_bytes"] for s in stats), default=None),
+           "ram_budget_bytes": min((s["ram_budget_bytes"] for s in stats if s.get("ram_budget_bytes")), default=None),
+           "ratios": {}, "round_ratios": {}}
+    peer = next((r for r in lb_rows if r["weights"] == v["peer"] and not r.get("error") and r.get("llama_bench")),
+                None)
+    if peer is None:
+        return out
+    for key, c in tests.items():
+        t = peer["llama_bench"]["tests"].get(key)
+        if not t or c["avg_ts"] is None:
+            continue
+        out["ratios"][key] = c["avg_ts"] / t["avg_ts"]
+        ratios = [colibri_over_round(r, short, v["peer"], key, P, N, L) for r in kept]
+        out["round_ratios"][key] = [x for x in ratios if x is not None]
+    return out
+
+
+def colibri_over_round(rnd: dict, colibri: str, name: str, key: str, P: int, N: int, L: int) -> Optional[float]:
+    """colibri (the round's step ``colibri``, its long-prompt step for ppL) ÷ llama-bench (GGUF
+    ``name``) for test ``key`` within one round."""
     res = rnd.get("results", {})
     lb = res.get(name, {}).get("tests", {}).get(key)
-    src = res.get("colibri long" if key == f"pp{L}" and L != P else "colibri")
+    src = res.get(colibri + " long" if key == f"pp{L}" and L != P else colibri)
     if not lb or not src or not lb["samples_ts"]:
         return None
     pre, dec = colibri_rates(src)
@@ -1628,7 +1944,7 @@ def llama_bench_method_note(info: dict, rows: List[dict], args) -> str:
     return (f"llama-bench: `llama-bench -m GGUF -t {args.threads} -p {lens} -n {args.tokens} -r 1 -o json`"
             + (" --repack 0" if info.get("repack_off") else "")
             + f" once per round, {built}, cmake -DGGML_NATIVE=ON Release, target llama-bench only; "
-            + (info.get("amx_note") or "") + knobs + ". Each round runs colibri (all experts cached: the "
+            + (info.get("amx_note") or "") + knobs + ". Each round runs each colibri variant (all experts cached: the "
             f"{args.prompt_len}-token prompt and {args.tokens} tokens, then a {args.long_prompt}-token prompt) and "
             "llama-bench on each GGUF, the order reversed every other round; llama-bench's figures pool its "
             "samples over the rounds with its own statistics (mean, sample stddev). ppN = an N-token prompt in "
@@ -1637,6 +1953,32 @@ def llama_bench_method_note(info: dict, rows: List[dict], args) -> str:
             "Python loop, one eval() per token, logits read back each step."
             + ("" if info.get("llama_cpp_python_use_extra_bufts", True)
                else " On this AMX CPU llama-cpp-python loads with use_extra_bufts=False."))
+
+
+def bpt_key(container: str) -> str:
+    """The result key of a container's weight bytes per token ('bytes_per_token' is int4's)."""
+    return "bytes_per_token" if container == "int4" else f"bytes_per_token_{container}"
+
+
+def colibri_row(v: dict, cache: int, extra: Sequence[str], cached: str, ref: bool, prompt: List[int],
+                args, work: str) -> dict:
+    """One main-table row of colibri variant ``v`` (colibri_variants) with ``cache`` experts per
+    layer cached (0 = all) and run options ``extra``: median of ``--runs`` fresh processes."""
+    row = {"engine": "colibri", "weights": v["weights"], "cached": cached, "ref": ref, "variant": v["name"],
+           "container": v["container"], "idot": v["idot"], "peer": v["peer"]}
+    if v.get("error"):
+        row["error"] = v["error"]
+        return row
+    row["size_bytes"] = dir_bytes(v["path"])
+    row.update(run_colibri(v["path"], prompt, args.tokens, cache, args.threads, args.runs, work,
+                           args.quiet_wait, args.retries, tuple(v["extra"]) + tuple(extra)))
+    if not row.get("error") and row.get("decode_tokens", args.tokens) < args.tokens:
+        row["note"] = f"stopped at EOS after {row['decode_tokens']} tokens"
+    elif not row.get("error") and row.get("hit_rate") is not None:
+        row["note"] = (f"expert hit rate {100 * row['hit_rate']:.0f}%"
+                       + (f", prefetch recall {100 * row['prefetch_recall']:.0f}%, reads "
+                          f"{row['read_gb_s']:.2f} GB/s" if cache else ""))
+    return row
 
 
 def run_bench(args) -> dict:
@@ -1670,32 +2012,30 @@ def run_bench(args) -> dict:
     res["bandwidth"] = bw
 
     rows: List[dict] = []
-    int4 = os.path.join(work, "int4")
-    err = ensure_int4(model_dir, int4)
-    # every expert cached; 4 per layer over the OS page cache; 4 per layer with true disk reads
-    for cache, ref, extra, label in ((0, True, (), "all"), (4, False, (), "4 (page cache)"),
-                                     (4, False, ("--direct",), "4 (disk, O_DIRECT)")):
-        row = {"engine": "colibri", "weights": "int4 (io int8)", "cached": label, "ref": ref}
-        if err:
-            row["error"] = err
-        else:
-            row["size_bytes"] = dir_bytes(int4)
-            row.update(run_colibri(int4, prompt, args.tokens, cache, args.threads, args.runs, work,
-                                   args.quiet_wait, args.retries, extra))
-            if not row.get("error") and row.get("decode_tokens", args.tokens) < args.tokens:
-                row["note"] = f"stopped at EOS after {row['decode_tokens']} tokens"
-            elif not row.get("error") and row.get("hit_rate") is not None:
-                row["note"] = (f"expert hit rate {100 * row['hit_rate']:.0f}%"
-                               + (f", prefetch recall {100 * row['prefetch_recall']:.0f}%, reads "
-                                  f"{row['read_gb_s']:.2f} GB/s" if cache else ""))
-        rows.append(row)
+    containers = ["int4"] + ([] if args.skip_int8 else ["int8"])
+    paths = {c: os.path.join(work, c) for c in containers}
+    errors = {c: ensure_container(model_dir, paths[c], c) for c in containers}
+    variants = colibri_variants(containers, (2,) if args.skip_idot1 else (2, 1))
+    for v in variants:
+        v["path"], v["error"] = paths[v["container"]], errors[v["container"]]
+    int4, err = paths["int4"], errors["int4"]
+    # every variant with every expert cached; the default (int4, --idot 2) also with 4 experts per
+    # layer over the OS page cache and with true disk reads
+    default = variants[0]
+    configs = ([(default, 0, (), "all"), (default, 4, (), "4 (page cache)"),
+                (default, 4, ("--direct",), "4 (disk, O_DIRECT)")]
+               + [(v, 0, (), "all") for v in variants[1:]])
+    for v, cache, extra, label in configs:
+        rows.append(colibri_row(v, cache, extra, label, v is default and cache == 0, prompt, args, work))
     if not err:
         res["disk"] = measure_disk(int4, work)
-    if not err:
+    for c in containers:
+        if errors[c]:
+            continue
         try:
-            res["bytes_per_token"] = weight_bytes_per_token(int4, ctx_len=args.prompt_len + args.tokens)
+            res[bpt_key(c)] = weight_bytes_per_token(paths[c], ctx_len=args.prompt_len + args.tokens)
         except Exception as e:  # pragma: no cover - reported, not fatal
-            res["notes"].append(f"bytes/token: {e}")
+            res["notes"].append(f"bytes/token ({c}): {e}")
 
     if not args.skip_draft and not err:
         res["draft"] = run_draft_check(model_dir, work, prompt, args)
@@ -1717,7 +2057,7 @@ def run_bench(args) -> dict:
         rows.extend(llama_rows)
     lb_rows = [r for r in rows if r.get("engine") == LB and r.get("gguf") and not r.get("error")]
     if lb_rows or (args.long_prompt > 0 and not err):
-        res["engine_rounds"] = run_engine_rounds(None if err else int4, lb_rows, res.get("llama") or {}, prompt,
+        res["engine_rounds"] = run_engine_rounds(variants, lb_rows, res.get("llama") or {}, prompt,
                                                  bench_prompt(args.long_prompt, vocab), args, work)
     if not args.skip_llama and not args.skip_llama_bench:
         res["notes"].append(llama_bench_method_note(res["llama"], rows, args))
@@ -1756,6 +2096,7 @@ def run_bench(args) -> dict:
                         "the prompt forward excluded); prefill tok/s = prompt tokens / prompt forward time.")
     res["notes"].append("colibri: one fresh process per measurement (`python -m colibri run`, OMP_NUM_THREADS="
                         f"{args.threads}); HF/llama.cpp: one subprocess per configuration, warm-up + runs inside.")
+    res["verdict"] = verdict_rows(res)
     return res
 
 
@@ -1776,6 +2117,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--long-prompt", type=int, default=512, metavar="N",
                     help="second prefill length: colibri (all experts cached) and llama-bench's ppN "
                          "(default 512; 0 = leave out)")
+    ap.add_argument("--skip-int8", action="store_true",
+                    help="leave out colibri's int8 container (its all-cached rows and engine-only rounds)")
+    ap.add_argument("--skip-idot1", action="store_true",
+                    help="leave out colibri's --idot 1 rows (plain Q8 activations; all cached and in the "
+                         "engine-only rounds); --idot 2, the default, is always measured")
     ap.add_argument("--skip-draft", action="store_true",
                     help="leave out the --draft auto vs --draft 0 check (fixture with a random MTP head)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")

@@ -365,24 +365,27 @@ def _colibri_stats(prompt, prefill_s, forwards, decode_s):
 
 def test_colibri_over_round():
     lb = _parsed("llama_bench_q8_0_r1.json")
-    rnd = {"results": {"colibri": _colibri_stats(32, 0.16, 64, 0.252),   # 200 tok/s prefill, 250 decode
-                       "colibri long": _colibri_stats(512, 1.6, 2, 0.004), "Q8_0": lb}}
+    rnd = {"results": {"colibri int8": _colibri_stats(32, 0.16, 64, 0.252),   # 200 tok/s prefill, 250 decode
+                       "colibri int8 long": _colibri_stats(512, 1.6, 2, 0.004), "Q8_0": lb}}
     t = lb["tests"]
-    assert bench.colibri_rates(rnd["results"]["colibri"]) == (200.0, 250.0)
-    assert math.isclose(bench.colibri_over_round(rnd, "Q8_0", "pp32", 32, 64, 512), 200 / t["pp32"]["avg_ts"],
-                        rel_tol=1e-5)
-    assert math.isclose(bench.colibri_over_round(rnd, "Q8_0", "tg64", 32, 64, 512), 250 / t["tg64"]["avg_ts"],
-                        rel_tol=1e-5)
-    assert math.isclose(bench.colibri_over_round(rnd, "Q8_0", "pp512", 32, 64, 512), 320 / t["pp512"]["avg_ts"],
-                        rel_tol=1e-5)
-    assert bench.colibri_over_round(rnd, "Q4_0", "pp32", 32, 64, 512) is None
+    assert bench.colibri_rates(rnd["results"]["colibri int8"]) == (200.0, 250.0)
+    over = lambda key, name="Q8_0", col="colibri int8": bench.colibri_over_round(rnd, col, name, key, 32, 64, 512)  # noqa: E731
+    assert math.isclose(over("pp32"), 200 / t["pp32"]["avg_ts"], rel_tol=1e-5)
+    assert math.isclose(over("tg64"), 250 / t["tg64"]["avg_ts"], rel_tol=1e-5)
+    assert math.isclose(over("pp512"), 320 / t["pp512"]["avg_ts"], rel_tol=1e-5)
+    assert over("pp32", name="Q4_0") is None and over("pp32", col="colibri int4") is None
 
 
 def _llama_bench_res():
     parsed = bench.merge_llama_bench([_parsed("llama_bench_q4_0.json")])
     lb = {"engine": bench.LB, "weights": "Q4_0", "cached": "all", "size_bytes": 179133056,
-          **bench.llama_bench_row(parsed, 32, 64), "round_ratios": {"pp32": [0.3, 0.4], "tg64": [0.9, 1.1]},
-          "note": bench.llama_bench_note(parsed, 512, "CPU without AMX")}
+          **bench.llama_bench_row(parsed, 32, 64), "note": bench.llama_bench_note(parsed, 512, "CPU without AMX")}
+    t = parsed["tests"]
+    int4 = {"weights": "int4 (io int8)", "peer": "Q4_0", "container": "int4", "idot": 2, "errors": [],
+            "tests": {"pp32": bench.ts_stats([180.0, 220.0]), "pp512": bench.ts_stats([300.0]),
+                      "tg64": bench.ts_stats([240.0, 260.0])},
+            "ratios": {k: v / t[k]["avg_ts"] for k, v in (("pp32", 200.0), ("pp512", 300.0), ("tg64", 250.0))},
+            "round_ratios": {"pp32": [0.3, 0.4], "tg64": [0.9, 1.1]}}
     return parsed, {
         "date": "today", "machine": {"cpu": "Test CPU", "usable_cpus": 2, "amx": []},
         "params": {"threads": 2, "prompt_len": 32, "tokens": 64, "runs": 3, "long_prompt": 512},
@@ -395,9 +398,7 @@ def _llama_bench_res():
             {"engine": bench.LB, "weights": "Q8_0", "cached": "all",
              "error": "llama-bench build: /x/ggml.c:1:1: error: boom"},
         ],
-        "engine_rounds": {"rounds_kept": 3, "colibri": {"pp32": bench.ts_stats([180.0, 220.0]),
-                                                        "pp512": bench.ts_stats([300.0]),
-                                                        "tg64": bench.ts_stats([240.0, 260.0])}},
+        "engine_rounds": {"rounds_kept": 3, "colibri": {"int4": int4}},
         "llama": {"amx_note": "CPU without AMX"},
     }
 
@@ -421,41 +422,51 @@ def test_report_llama_bench_rows():
     assert cells[10] == (f"pp512 {bench.fmt_num(pp512['avg_ts'])} ± {bench.fmt_num(pp512['stddev_ts'])} tok/s; "
                          "CPU without AMX")
     assert "FAILED: llama-bench build: /x/ggml.c:1:1: error: boom" in main[3]
+    # no int8 row in this run: the Q8_0 rows are set against int4, and the table says so
+    assert "Ratios: colibri ÷ peer (> 1 = colibri faster); Q4_0, Q8_0 rows against colibri int4 (io int8), " \
+           "all experts cached." in text
     # the engine-only table: colibri and llama-bench from the same rounds, pp32 / pp512 / tg64
     eo_header = next(ln for ln in lines if ln.startswith("| engine | weights | pp32 tok/s"))
-    assert eo_header == ("| engine | weights | pp32 tok/s | pp512 tok/s | tg64 tok/s | colibri ÷ pp32 | "
-                         "colibri ÷ pp512 | colibri ÷ tg64 | note |")
-    assert "measured in the same 3 interleaved rounds" in text
+    assert eo_header == ("| engine | weights | pp32 tok/s | pp512 tok/s | tg64 tok/s | peer | colibri ÷ peer pp32 | "
+                         "colibri ÷ peer pp512 | colibri ÷ peer tg64 | note |")
+    assert "measured in the same 3 interleaved rounds" in text and "(pp512 = a 512-token prompt)" in text
     i = lines.index(eo_header)
     col, q4, q8 = lines[i + 2], lines[i + 3], lines[i + 4]
     sd200 = bench.fmt_num(bench.ts_stats([180.0, 220.0])["stddev_ts"])
     sd250 = bench.fmt_num(bench.ts_stats([240.0, 260.0])["stddev_ts"])
     assert col == (f"| colibri | int4 (io int8), all experts cached | 200 ± {sd200} | 300 ± 0.0 | 250 ± {sd250} "
-                   "| – | – | – | pp512 = a 512-token prompt |")
+                   f"| llama-bench Q4_0 | {200 / pp32['avg_ts']:.2f}× | {300 / pp512['avg_ts']:.2f}× | "
+                   f"{250 / tg64['avg_ts']:.2f}× | --idot 2 (the default) |")
     sd = lambda t: f"{bench.fmt_num(t['avg_ts'])} ± {bench.fmt_num(t['stddev_ts'])}"  # noqa: E731
-    assert q4 == (f"| {bench.LB} | Q4_0 | {sd(pp32)} | {sd(pp512)} | {sd(tg64)} | {200 / pp32['avg_ts']:.2f}× | "
-                  f"{300 / pp512['avg_ts']:.2f}× | {250 / tg64['avg_ts']:.2f}× | CPU without AMX |")
-    assert q8.startswith(f"| {bench.LB} | Q8_0 | – | – | – | – | – | – | FAILED: llama-bench build:")
-    assert "colibri ÷ llama-bench within each round (min – max): Q4_0: pp32 0.30–0.40×, tg64 0.90–1.10×." in text
+    assert q4 == f"| {bench.LB} | Q4_0 | {sd(pp32)} | {sd(pp512)} | {sd(tg64)} | – | – | – | – | CPU without AMX |"
+    assert q8.startswith(f"| {bench.LB} | Q8_0 | – | – | – | – | – | – | – | FAILED: llama-bench build:")
+    assert ("colibri ÷ its peer within each round (min – max): int4 (io int8) ÷ Q4_0: pp32 0.30–0.40×, "
+            "tg64 0.90–1.10×.") in text
     # the spread table takes llama-bench's own samples
     lo, hi = min(tg64["samples_ts"]), max(tg64["samples_ts"])
     assert f"| {bench.LB} Q4_0 | " in text and f"{bench.fmt_num(lo, 2)} – {bench.fmt_num(hi, 2)} |" in text
+    # the verdict reads int4 ÷ Q4_0 off the engine-only rounds
+    v = bench.verdict_rows(res)[0]
+    assert v["ratio"] == res["engine_rounds"]["colibri"]["int4"]["ratios"]["tg64"] and v["holds"] is (v["ratio"] >= 1.2)
     # without llama-bench rows or rounds there is no engine-only table
     res["rows"] = res["rows"][:2]
     del res["engine_rounds"]
     assert "pp32 tok/s" not in bench.render_report(res)
 
 
-def test_engine_rounds_interleave(tiny, tmp_path):
-    """The rounds run colibri for real (the tiny fixture's int4 container) and an executable in
-    llama-bench's place that logs its arguments and prints a captured llama-bench -r 1 output:
-    the order reverses every other round, llama-bench's samples pool over the rounds, each
-    round gives a colibri ÷ llama-bench ratio, and a llama-bench that fails makes its row's error."""
+def test_engine_rounds_interleave(tiny, tmp_path, capsys):
+    """The rounds run colibri for real (the tiny fixture's int4 container at --idot 2, its int8
+    one at --idot 1) and an executable in llama-bench's place that logs its arguments and prints
+    a captured llama-bench -r 1 output: the order reverses every other round, llama-bench's
+    samples pool over the rounds, each colibri variant gets ratios to llama-bench on its peer
+    quantization (int8 ÷ Q8_0) per round, a llama-bench that fails makes its row's error (and
+    no ratios for int4, its Q4_0 peer), and a variant whose container failed is not run."""
     import argparse
     from colibri.convert import ConvertOptions, convert
 
-    int4 = tmp_path / "int4"
-    convert(str(tiny), str(int4), ConvertOptions(expert_bits=4, dense_bits=4, io_bits=8), verbose=False)
+    paths = {c: tmp_path / c for c in ("int4", "int8")}
+    convert(str(tiny), str(paths["int4"]), ConvertOptions(expert_bits=4, dense_bits=4, io_bits=8), verbose=False)
+    convert(str(tiny), str(paths["int8"]), ConvertOptions(expert_bits=8, dense_bits=8, io_bits=8), verbose=False)
     log = tmp_path / "calls.txt"
     fake = tmp_path / "llama-bench"
     fake.write_text(f"#!{sys.executable}\n"
@@ -468,13 +479,27 @@ def test_engine_rounds_interleave(tiny, tmp_path):
     build = {"binary": str(fake), "repack_off": True, "amx_note": "AMX CPU: --repack 0"}
     rows = [{"engine": bench.LB, "weights": "Q8_0", "gguf": "q8.gguf"},
             {"engine": bench.LB, "weights": "Q4_0", "gguf": "bad.gguf"}]
+    every = {v["name"]: v for v in bench.colibri_variants(["int4", "int8"], (2, 1))}
+    assert list(every) == ["int4", "int4 --idot 1", "int8", "int8 --idot 1"]
+    assert every["int8 --idot 1"]["extra"] == ("--idot", "1") and every["int4"]["extra"] == ()
+    assert every["int8 --idot 1"]["weights"] == "int8, --idot 1" and every["int8"]["peer"] == "Q8_0"
+    variants = [dict(every["int4"], path=str(paths["int4"]), error=None),
+                dict(every["int8 --idot 1"], path=str(paths["int8"]), error=None),
+                dict(every["int8"], path=str(paths["int8"]), error="colibri convert (int8): boom")]
     vocab = _cfg(tiny)["vocab_size"]
     args = argparse.Namespace(runs=2, retries=0, quiet_wait=0.0, threads=1, tokens=4, timeout=120)
-    out = bench.run_engine_rounds(str(int4), rows, build, bench.bench_prompt(32, vocab), bench.bench_prompt(512, vocab),
+    capsys.readouterr()
+    out = bench.run_engine_rounds(variants, rows, build, bench.bench_prompt(32, vocab), bench.bench_prompt(512, vocab),
                                   args, str(tmp_path))
+    logged = capsys.readouterr().err.splitlines()
     assert out["rounds_kept"] == 2 and len(out["rounds"]) == 2
-    assert out["rounds"][0]["order"] == ["colibri", "colibri long", "Q8_0", "Q4_0"]
-    assert out["rounds"][1]["order"] == ["Q8_0", "colibri long", "colibri"]  # reversed; Q4_0 failed in round 1
+    steps = ["colibri int4", "colibri int4 long", "colibri int8 --idot 1", "colibri int8 --idot 1 long"]
+    assert out["rounds"][0]["order"] == steps + ["Q8_0", "Q4_0"]
+    assert out["rounds"][1]["order"] == ["Q8_0"] + steps[::-1]  # reversed; Q4_0 failed in round 1
+    # colibri's processes: int4 without --idot, int8 with --idot 1 (warm-up + 2 rounds each)
+    runs = [ln for ln in logged if " -m colibri run " in ln]
+    assert len(runs) == 12
+    assert all(("int8" in ln) == ("--idot 1" in ln) for ln in runs) and sum("--idot 1" in ln for ln in runs) == 6
     calls = log.read_text().splitlines()
     assert calls[0] == "-m q8.gguf -t 1 -p 32,512 -n 4 -r 1 -o json --repack 0"
     assert len(calls) == 3 and calls[1].startswith("-m bad.gguf")
@@ -484,10 +509,19 @@ def test_engine_rounds_interleave(tiny, tmp_path):
     tests = q8["llama_bench"]["tests"]
     assert q8["llama_bench"]["invocations"] == 2 and tests["pp32"]["samples_ts"] == 2 * r1["pp32"]["samples_ts"]
     assert q8["prefill_tok_s"] == tests["pp32"]["avg_ts"] and q8["note"].endswith("AMX CPU: --repack 0")
-    col = out["colibri"]
-    assert len(col["pp32"]["samples_ts"]) == 2 and len(col["pp512"]["samples_ts"]) == 2
-    assert len(col["tg4"]["samples_ts"]) == 2 and all(x > 0 for x in col["tg4"]["samples_ts"])
-    # the ratios come from the same round's colibri and llama-bench runs
-    assert len(q8["round_ratios"]["pp32"]) == 2
-    assert math.isclose(q8["round_ratios"]["pp32"][0] * r1["pp32"]["avg_ts"], col["pp32"]["samples_ts"][0],
+    assert list(out["colibri"]) == ["int4", "int8 --idot 1", "int8"]
+    i4, i8 = out["colibri"]["int4"], out["colibri"]["int8 --idot 1"]
+    for col in (i4, i8):
+        t = col["tests"]
+        assert list(t) == ["pp32", "pp512", "tg4"] and all(len(t[k]["samples_ts"]) == 2 for k in t)
+        assert all(x > 0 for x in t["tg4"]["samples_ts"])
+        assert 0 < col["peak_rss_bytes"] <= col["ram_budget_bytes"] and col["errors"] == []
+    # int4's peer (Q4_0) failed: no ratios; int8's ratios come from the same round's runs
+    assert i4["ratios"] == {} and i4["round_ratios"] == {}
+    # (the captured llama-bench output has tg64, not tg4: no tg4 ratio)
+    assert set(i8["ratios"]) == {"pp32", "pp512"} and len(i8["round_ratios"]["pp32"]) == 2
+    assert math.isclose(i8["round_ratios"]["pp32"][0] * r1["pp32"]["avg_ts"], i8["tests"]["pp32"]["samples_ts"][0],
                         rel_tol=1e-6)
+    assert math.isclose(i8["ratios"]["pp512"], i8["tests"]["pp512"]["avg_ts"] / tests["pp512"]["avg_ts"])
+    failed = out["colibri"]["int8"]
+    assert failed["errors"] == ["colibri convert (int8): boom"] and failed["tests"] == {}
