@@ -53,6 +53,7 @@ cdef extern from "coli_kernels.h" nogil:
     float coli_rowdot2s_i4(const uint8_t *w, const int8_t *q1, const float *xs1, const int32_t *s1,
                            const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block)
     void coli_block_sums(const int8_t *q, int n, int block, int32_t *s)
+    void coli_q8_residual(const float *x, const int8_t *q, const float *xs, int n, int block, float *xr)
     void coli_axpy_f32(float *y, float c, const float *x, int n)
     void coli_axpy_q8f32(float *y, float c, const int8_t *w, int n)
     void coli_axpy_q4f32(float *y, float c, const uint8_t *w, int n)
@@ -637,14 +638,12 @@ cdef inline void quant_row(const float *x, int n, int blk, int idot, int8_t *q1,
                            int8_t *q2, float *s2, float *xr, int32_t *m1=NULL, int32_t *m2=NULL) noexcept nogil:
     """Q8 activations of one row for the integer paths: q1/s1 = Q8(x); with IDOT_Q8X2 also
     q2/s2 = Q8(x − s1·q1), the residual (xr [n] is scratch). m1/m2 (optional): the per-block sums
-    of q1/q2, which the faster int4 two-row kernel takes."""
-    cdef int i
+    of q1/q2, which the tile kernels take."""
     coli_quantize_q8(x, n, blk, q1, s1)
     if m1 != NULL:
         coli_block_sums(q1, n, blk, m1)
     if idot == IDOT_Q8X2:
-        for i in range(n):
-            xr[i] = x[i] - s1[i // blk] * q1[i]
+        coli_q8_residual(x, q1, s1, n, blk, xr)
         coli_quantize_q8(xr, n, blk, q2, s2)
         if m2 != NULL:
             coli_block_sums(q2, n, blk, m2)
@@ -753,7 +752,8 @@ cdef struct FfnJob:
     Py_ssize_t h0                       # its hidden g/u [nr, I]
     Py_ssize_t hq0, hs0                 # its quantized hidden [2·nr, I] and their scales
     Py_ssize_t y0                       # its down outputs [nr, D]
-    Py_ssize_t xg0, hg0                 # split forms of its quantized inputs / hidden (group-scaled int4)
+    Py_ssize_t xg0, hg0                 # split forms of its quantized inputs / hidden (int4)
+    int src                             # the job whose quantized inputs it reads (set by ffn_group)
 
 
 cdef inline int job_of(const FfnJob *jobs, int nj, int item, bint by_work) noexcept nogil:
@@ -768,7 +768,25 @@ cdef inline int job_of(const FfnJob *jobs, int nj, int item, bint by_work) noexc
     return j
 
 
-cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const float *x, int D,
+cdef inline void share_inputs(FfnJob *jobs, int nj, const int *urow) noexcept nogil:
+    """jobs[j].src = the first job i <= j with j's input rows (the same urow[row0 ..] sequence): the
+    rows are quantized once, into job i's scratch, for all of them. Decode: every FFN of an MoE
+    call reads the one row, quantized once instead of once per FFN."""
+    cdef int j, i, r
+    for j in range(nj):
+        jobs[j].src = j
+        for i in range(j):
+            if jobs[i].src != i or jobs[i].nr != jobs[j].nr:
+                continue
+            r = 0
+            while r < jobs[j].nr and urow[jobs[i].row0 + r] == urow[jobs[j].row0 + r]:
+                r += 1
+            if r == jobs[j].nr:
+                jobs[j].src = i
+                break
+
+
+cdef void ffn_group(FfnJob *jobs, int nj, int npairs, int nwork, const float *x, int D,
                     const int *urow, const float *uw, int block, int idot,
                     int8_t *xq, float *xs, float *g, float *u, int8_t *hq, float *hs, float *yd,
                     float *xr, Py_ssize_t xr_stride, float *out, int nt,
@@ -781,34 +799,45 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
     output columns of one FFN per item); the sums over the FFNs in job order. Each value is
     computed by one thread with the same kernels and the same order as the unfused path (matmul_qt
     per FFN, then out += w · y), so the results are bit-identical to it and independent of the
-    thread count. xg / hg (NULL: none): room for the split forms of the quantized inputs / hidden
-    rows (rows xgs / hgs bytes apart), made when a job's group-scaled int4 matrices read them."""
-    cdef int p, w, o, k, j, r, i, t, nbD = act_nblocks(D, block)
+    thread count. Jobs with the same input rows share one quantization of them (share_inputs). xg /
+    hg (NULL: none): room for the split forms of the quantized inputs / hidden rows (rows xgs / hgs
+    bytes apart), made when a job's int4 matrices read them."""
+    cdef int p, w, o, k, j, r, i, t, jp, nbD = act_nblocks(D, block)
     cdef int blkD = D if nbD == 1 else block
     cdef const FfnJob *J
+    cdef const FfnJob *X
+    cdef bint split_in = False
+    share_inputs(jobs, nj, urow)
+    if xg != NULL:
+        for j in range(nj):
+            split_in = split_in or wants_split(jobs[j].gate, nbD) or wants_split(jobs[j].up, nbD)
     with parallel(num_threads=nt):
         t = threadid()
         for p in prange(npairs, schedule='static'):
-            J = &jobs[job_of(jobs, nj, p, False)]
+            jp = job_of(jobs, nj, p, False)
+            J = &jobs[jp]
             r = p - J.row0
-            quant_row(x + <Py_ssize_t>urow[p] * D, D, blkD, idot,
-                      xq + J.x0 + <Py_ssize_t>r * D, xs + J.xs0 + <Py_ssize_t>r * nbD,
-                      xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, xs + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD,
-                      xr + t * xr_stride, (xm + J.xs0 + <Py_ssize_t>r * nbD) if xm != NULL else NULL,
-                      (xm + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD) if xm != NULL else NULL)
-            if xg != NULL and (wants_split(J.gate, nbD) or wants_split(J.up, nbD)):
-                split_rows(xq + J.x0 + <Py_ssize_t>r * D, 1, D, xg + J.xg0 + r * xgs, xgs)
-                if idot == IDOT_Q8X2:
-                    split_rows(xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, 1, D, xg + J.xg0 + (J.nr + r) * xgs, xgs)
+            if J.src == jp:         # else an earlier job quantizes these rows
+                quant_row(x + <Py_ssize_t>urow[p] * D, D, blkD, idot,
+                          xq + J.x0 + <Py_ssize_t>r * D, xs + J.xs0 + <Py_ssize_t>r * nbD,
+                          xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, xs + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD,
+                          xr + t * xr_stride, (xm + J.xs0 + <Py_ssize_t>r * nbD) if xm != NULL else NULL,
+                          (xm + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD) if xm != NULL else NULL)
+                if split_in:
+                    split_rows(xq + J.x0 + <Py_ssize_t>r * D, 1, D, xg + J.xg0 + r * xgs, xgs)
+                    if idot == IDOT_Q8X2:
+                        split_rows(xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, 1, D, xg + J.xg0 + (J.nr + r) * xgs,
+                                   xgs)
         for w in prange(nwork, schedule='static'):
             J = &jobs[job_of(jobs, nj, w, True)]
+            X = &jobs[J.src]
             k = w - J.w0
             if k < n_groups(J.I):
-                int_group(J.gate, k, J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, g + J.h0,
-                          (xm + J.xs0) if xm != NULL else NULL, (xg + J.xg0) if xg != NULL else NULL, xgs)
+                int_group(J.gate, k, J.nr, xq + X.x0, xs + X.xs0, nbD, blkD, idot, g + J.h0,
+                          (xm + X.xs0) if xm != NULL else NULL, (xg + X.xg0) if xg != NULL else NULL, xgs)
             else:
-                int_group(J.up, k - n_groups(J.I), J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, u + J.h0,
-                          (xm + J.xs0) if xm != NULL else NULL, (xg + J.xg0) if xg != NULL else NULL, xgs)
+                int_group(J.up, k - n_groups(J.I), J.nr, xq + X.x0, xs + X.xs0, nbD, blkD, idot, u + J.h0,
+                          (xm + X.xs0) if xm != NULL else NULL, (xg + X.xg0) if xg != NULL else NULL, xgs)
         for p in prange(npairs, schedule='static'):
             J = &jobs[job_of(jobs, nj, p, False)]
             r = p - J.row0
