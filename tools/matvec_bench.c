@@ -3,14 +3,15 @@
  *
  *   gcc -O3 -fopenmp -I include tools/matvec_bench.c -o /tmp/mvb -lm
  *   nice /tmp/mvb [--repeats N] [--threads T] [--only SUBSTRING] [--isa scalar|avx2|avx512vnni]
- *                 [--prefetch GROUPS]
+ *                 [--prefetch GROUPS] [--hint 0|1|2|3]
  *
  * One "call" multiplies a set of K weight matrices [O, I] (int4 or int8, one scale per row, one
  * activation block per row: the engine's default act_block = 0) by one activation row, the way a
  * decode matmul does it: work items of four weight rows split statically over the threads of one
  * OpenMP parallel region (matmul_many / ffn_group), each item prefetching its weights --prefetch
  * items ahead (default 4, PREFETCH_GROUPS; coli_prefetch_row) and multiplying them with the public
- * dispatching kernels, then y[o] = dot * scale[o]. Variants:
+ * dispatching kernels, then y[o] = dot * scale[o] (--hint 1..3: prefetcht2/t1/t0 instead of the
+ * engine's prefetch instruction). Variants:
  *   idot2 / idot1: the engine's path, coli_rowdot_*_tile with the activations' block sums and (int4)
  *       split forms: the pair q1 + residual q2 (two activation rows), or q1 alone;
  *   ... unsplit: the same tile without the split forms (int4 widens the nibbles, as the four-row
@@ -37,7 +38,7 @@
 #include "coli_kernels.h"
 #include "coli_prefetch.h"
 
-enum { GROUP_ROWS = 4, IMAX = 4096 };
+enum { GROUP_ROWS = 4, IMAX = 8192 };
 
 static uint64_t g_rng = 0x243F6A8885A308D3ULL;
 
@@ -119,6 +120,19 @@ static float read_rows(const uint8_t *row, long bytes)
     return (float)a;
 }
 
+/* prefetch hint of the driver's prefetches: 0 = the engine's (coli_prefetch_row), 1..3 = t2/t1/t0 */
+static int g_hint = 0;
+
+static inline __attribute__((always_inline)) void prefetch(const uint8_t *p, long nbytes)
+{
+    switch (g_hint) {
+    case 0: coli_prefetch_row(p, nbytes); break;
+    case 1: for (long o = 0; o < nbytes; o += 64) __builtin_prefetch(p + o, 0, 1); break;
+    case 2: for (long o = 0; o < nbytes; o += 64) __builtin_prefetch(p + o, 0, 2); break;
+    default: for (long o = 0; o < nbytes; o += 64) __builtin_prefetch(p + o, 0, 3); break;
+    }
+}
+
 /* one work item: rows 4g .. 4g+3 of matrix m, as int_group does it */
 static inline __attribute__((always_inline)) void item(const wset *W, const acts *a, const variant *v, int pf,
                                                        long m, int g, float *y)
@@ -127,7 +141,7 @@ static inline __attribute__((always_inline)) void item(const wset *W, const acts
     const uint8_t *mat = W->w + m * O * rb;
     int o0 = g * GROUP_ROWS, ahead = o0 + pf * GROUP_ROWS, I = W->I, P = v->idot;
     if (pf > 0 && ahead < O)
-        coli_prefetch_row(mat + (long)ahead * rb, (O - ahead > GROUP_ROWS ? GROUP_ROWS : O - ahead) * rb);
+        prefetch(mat + (long)ahead * rb, (O - ahead > GROUP_ROWS ? GROUP_ROWS : O - ahead) * rb);
     const uint8_t *row = mat + (long)o0 * rb;
     const float *sc = W->ws + m * O + o0;
     float t[2 * GROUP_ROWS], *out = y + m * O + o0;
@@ -183,7 +197,7 @@ static void make_set(wset *W, int is4, int O, int I, int K)
 int main(int argc, char **argv)
 {
     int repeats = 7, only_isa = -1, threads[2] = {1, 2}, nthr = 2, pf = 4;
-    const char *only = NULL;
+    const char *only = NULL, *vonly = NULL;
     for (int a = 1; a < argc; a++) {
         if (!strcmp(argv[a], "--repeats") && a + 1 < argc)
             repeats = atoi(argv[++a]);
@@ -192,8 +206,12 @@ int main(int argc, char **argv)
             nthr = 1;
         } else if (!strcmp(argv[a], "--prefetch") && a + 1 < argc)
             pf = atoi(argv[++a]);
+        else if (!strcmp(argv[a], "--hint") && a + 1 < argc)
+            g_hint = atoi(argv[++a]);
         else if (!strcmp(argv[a], "--only") && a + 1 < argc)
             only = argv[++a];
+        else if (!strcmp(argv[a], "--variants") && a + 1 < argc)
+            vonly = argv[++a];
         else if (!strcmp(argv[a], "--isa") && a + 1 < argc) {
             a++;
             for (int k = COLI_ISA_SCALAR; k <= COLI_ISA_AVX512VNNI; k++)
@@ -205,13 +223,13 @@ int main(int argc, char **argv)
             }
         } else {
             fprintf(stderr, "usage: %s [--repeats N] [--threads T] [--only SUBSTRING] [--isa NAME] "
-                            "[--prefetch GROUPS]\n", argv[0]);
+                            "[--prefetch GROUPS] [--hint 0..3] [--variants SUBSTRING]\n", argv[0]);
             return 2;
         }
     }
     coli_select_isa(only_isa >= 0 ? only_isa : coli_isa_best());
-    printf("isa %s, best of %d, prefetch %d groups ahead; GB/s = weight bytes of the set / time of one call\n",
-           coli_isa_name(coli_isa_active()), repeats, pf);
+    printf("isa %s, best of %d, prefetch %d groups ahead (hint %d); GB/s = weight bytes of the set / time of one "
+           "call\n", coli_isa_name(coli_isa_active()), repeats, pf, g_hint);
 
     static acts a;
     a.xs[0] = 0.01f;
@@ -220,9 +238,12 @@ int main(int argc, char **argv)
         {"L2  512x1024 x1", 512, 1024, 1},
         {"L2 1024x512  x1", 1024, 512, 1},
         {"L3  512x1024 x27", 512, 1024, 27},
+        {"L2  128x4096 x1", 128, 4096, 1},
+        {"L3  1024x4096 x4", 1024, 4096, 4},
         {"RAM 512x1024", 512, 1024, -1},
         {"RAM 2048x1024", 2048, 1024, -1},
         {"RAM 1024x4096", 1024, 4096, -1},
+        {"RAM 1024x6144", 1024, 6144, -1},
     };
     int mismatches = 0;
     for (int is4 = 1; is4 >= 0; is4--)
@@ -257,6 +278,9 @@ int main(int argc, char **argv)
                 double best[NV];
                 for (int v = 0; v < NV; v++) {
                     best[v] = 1e300;
+                    same[v] = 1;
+                    if (vonly && !strstr(VARS[v].name, vonly) && strcmp(VARS[v].name, "read"))
+                        continue;
                     call(&W, &a, &VARS[v], pf, y, nt);
                     int k = VARS[v].idot;
                     if (!have[k])
@@ -267,6 +291,8 @@ int main(int argc, char **argv)
                 }
                 for (int rep = 0; rep < repeats; rep++)
                     for (int v = 0; v < NV; v++) {
+                        if (vonly && !strstr(VARS[v].name, vonly) && strcmp(VARS[v].name, "read"))
+                            continue;
                         double t0 = now_ns();
                         for (int c = 0; c < calls; c++)
                             call(&W, &a, &VARS[v], pf, y, nt);
@@ -275,7 +301,8 @@ int main(int argc, char **argv)
                             best[v] = t;
                     }
                 for (int v = 0; v < NV; v++)
-                    printf("  %d thr  %-15s %9.1f us  %6.1f GB/s%s\n", nt, VARS[v].name, best[v] / 1e3,
+                    if (best[v] < 1e300)
+                        printf("  %d thr  %-15s %9.1f us  %6.1f GB/s%s\n", nt, VARS[v].name, best[v] / 1e3,
                            bytes / best[v], same[v] ? "" : "  OUTPUT MISMATCH");
                 fflush(stdout);
             }
