@@ -55,6 +55,7 @@ cdef extern from "coli_kernels.h" nogil:
     float coli_rowdot2s_i4(const uint8_t *w, const int8_t *q1, const float *xs1, const int32_t *s1,
                            const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block)
     void coli_block_sums(const int8_t *q, int n, int block, int32_t *s)
+    void coli_q8_residual(const float *x, const int8_t *q, const float *xs, int n, int block, float *xr)
     void coli_axpy_f32(float *y, float c, const float *x, int n)
     void coli_axpy_q8f32(float *y, float c, const int8_t *w, int n)
     void coli_axpy_q4f32(float *y, float c, const uint8_t *w, int n)
@@ -66,18 +67,12 @@ cdef extern from "coli_kernels.h" nogil:
     void coli_dots_q4f32(const float *x, int n, const uint8_t *w, long rb, int nrows, float *out)
     void coli_axpy_rows_q8f32(float *y, int n, const float *c, const int8_t *w, long rb, int nrows)
     void coli_axpy_rows_q4f32(float *y, int n, const float *c, const uint8_t *w, long rb, int nrows)
-    void coli_rowdot2s_i4_x4(const uint8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
-                             const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
-                             float *out)
-    void coli_rowdot2s_i8_x4(const int8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
-                             const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
-                             float *out)
-    void coli_rowdot2s_i4_x4x2(const uint8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
-                               const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
-                               long qstep, long sstep, float *out)
-    void coli_rowdot2s_i8_x4x2(const int8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
-                               const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
-                               long qstep, long sstep, float *out)
+    void coli_rowdot_i8_tile(const int8_t *w, long rb, int nw, const int8_t *q, long qstride, const float *xs,
+                             const int32_t *s, long sstride, const uint8_t *xg, long gstride, int P, int n,
+                             int block, float *out)
+    void coli_rowdot_i4_tile(const uint8_t *w, long rb, int nw, const int8_t *q, long qstride, const float *xs,
+                             const int32_t *s, long sstride, const uint8_t *xg, long gstride, int P, int n,
+                             int block, float *out)
     float coli_rowdotg_i8(const int8_t *w, const float *ws, int gs, const int8_t *q, const float *xs, int n,
                           int block)
     float coli_rowdotg_i4(const uint8_t *w, const float *ws, int gs, const int8_t *q, const float *xs, int n,
@@ -485,9 +480,9 @@ cdef inline void tile_g(const QTc *W, int o0, int nw, const int8_t *q, Py_ssize_
 
 
 cdef inline bint wants_split(const QTc *W, int nb) noexcept nogil:
-    """Whether W's integer matmul reads its activations' split forms (group-scaled int4 on the
-    tile kernel, i.e. one activation block, when the active ISA's tile uses them)."""
-    return W.gs > 0 and W.fmt == FMT_I4 and nb == 1 and GROUP_KERNELS and coli_split_active()
+    """Whether W's integer matmul reads its activations' split forms (int4 on the tile kernels,
+    when the active ISA's tiles use them; group-scaled int4 with one activation block)."""
+    return W.fmt == FMT_I4 and (W.gs == 0 or nb == 1) and GROUP_KERNELS and coli_split_active()
 
 
 cdef inline void split_rows(const int8_t *xq, int rows, int I, uint8_t *xg, Py_ssize_t gstride) noexcept nogil:
@@ -578,66 +573,79 @@ cdef inline int n_groups(int O) noexcept nogil:
     return (O + GROUP_ROWS - 1) // GROUP_ROWS
 
 
+cdef inline void row_tile(const QTc *W, const uint8_t *row, int nw, const int8_t *q, Py_ssize_t qstride,
+                          const float *xs, const int32_t *m, Py_ssize_t sstride, const uint8_t *xg,
+                          Py_ssize_t gstride, int P, int blk, float *out) noexcept nogil:
+    """out[p·nw + r] = the row dot (without W's row scale) of weight row r of the nw rows at row and
+    activation row p < P (q + p·qstride; scales, block sums m at + p·sstride; split form xg +
+    p·gstride): coli_rowdot_*_tile, bit-identical to coli_rowdot_* per output."""
+    if W.fmt == FMT_I8:
+        coli_rowdot_i8_tile(<const int8_t *>row, W.rb, nw, q, qstride, xs, m, sstride, NULL, 0, P, W.I, blk, out)
+    else:
+        coli_rowdot_i4_tile(row, W.rb, nw, q, qstride, xs, m, sstride, xg, gstride, P, W.I, blk, out)
+
+
 cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const float *xs, int nb, int blk,
                            int idot, float *y, const int32_t *xsum=NULL, const uint8_t *xg=NULL,
                            Py_ssize_t gstride=0) noexcept nogil:
     """Output columns GROUP_ROWS·grp .. (the group's rows < W.O) of an integer-path matmul for all
-    S activation rows, prefetching the weights PREFETCH_GROUPS groups ahead. With the activations'
-    block sums known (idot=2) the four-row kernels take two activation rows at a time (one pass
-    over the activations for four weight rows; bit-identical to int_row per column); group-scaled
-    matrices take int_group_g (the tile kernel); anything else is int_row per column."""
-    cdef float r4[2 * GROUP_ROWS]
-    cdef int o0 = grp * GROUP_ROWS, r, s, p, ahead = o0 + PREFETCH_GROUPS * GROUP_ROWS
-    cdef Py_ssize_t q, m
-    cdef int n = W.O - o0 if W.O - o0 < GROUP_ROWS else GROUP_ROWS
-    cdef Py_ssize_t off2 = <Py_ssize_t>S * W.I, soff2 = <Py_ssize_t>S * nb
+    S activation rows, prefetching the weights PREFETCH_GROUPS groups ahead. The tile kernels take
+    the group's weight rows against up to four activation rows at a time (decode with idot=2: q1
+    and its residual q2 in one call, one pass over the weights), with the activations' block sums
+    xsum and split forms xg when given (row p of xq at xg + p·gstride); bit-identical to int_row
+    per column, which GROUP_KERNELS=0 takes. Group-scaled matrices take int_group_g."""
+    cdef float t1[GROUP_ROWS * 4]
+    cdef float t2[GROUP_ROWS * 4]
+    cdef int o0 = grp * GROUP_ROWS, r, s0, p, P, ahead = o0 + PREFETCH_GROUPS * GROUP_ROWS, I = W.I, O = W.O
+    cdef int n = O - o0 if O - o0 < GROUP_ROWS else GROUP_ROWS
+    cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb, goff2 = <Py_ssize_t>S * gstride
     cdef const uint8_t *row = W.q + <Py_ssize_t>o0 * W.rb
-    if PREFETCH_GROUPS > 0 and ahead < W.O:
+    if PREFETCH_GROUPS > 0 and ahead < O:
         coli_prefetch_row(W.q + <Py_ssize_t>ahead * W.rb,
-                          (GROUP_ROWS if W.O - ahead > GROUP_ROWS else W.O - ahead) * W.rb)
+                          (GROUP_ROWS if O - ahead > GROUP_ROWS else O - ahead) * W.rb)
         if W.gs > 0:        # and the group scales of those rows
             coli_prefetch_row(W.s + <Py_ssize_t>ahead * W.G,
-                              (GROUP_ROWS if W.O - ahead > GROUP_ROWS else W.O - ahead) * W.G * 4)
+                              (GROUP_ROWS if O - ahead > GROUP_ROWS else O - ahead) * W.G * 4)
     if W.gs > 0 and GROUP_KERNELS:
         int_group_g(W, o0, n, S, xq, xs, nb, blk, idot, y, xg if wants_split(W, nb) else NULL, gstride)
         return
-    if n == GROUP_ROWS and idot == IDOT_Q8X2 and xsum != NULL and GROUP_KERNELS:
-        # activation rows two at a time (verify and prefill batches), then the odd one (decode)
-        for s in range(0, S, 2):
-            q = <Py_ssize_t>s * W.I
-            m = <Py_ssize_t>s * nb
-            if s + 1 < S and W.fmt == FMT_I4:
-                coli_rowdot2s_i4_x4x2(row, W.rb, xq + q, xs + m, xsum + m, xq + off2 + q, xs + soff2 + m,
-                                      xsum + soff2 + m, W.I, blk, W.I, nb, r4)
-            elif s + 1 < S:
-                coli_rowdot2s_i8_x4x2(<const int8_t *>row, W.rb, xq + q, xs + m, xsum + m, xq + off2 + q,
-                                      xs + soff2 + m, xsum + soff2 + m, W.I, blk, W.I, nb, r4)
-            elif W.fmt == FMT_I4:
-                coli_rowdot2s_i4_x4(row, W.rb, xq + q, xs + m, xsum + m, xq + off2 + q, xs + soff2 + m,
-                                    xsum + soff2 + m, W.I, blk, r4)
-            else:
-                coli_rowdot2s_i8_x4(<const int8_t *>row, W.rb, xq + q, xs + m, xsum + m, xq + off2 + q,
-                                    xs + soff2 + m, xsum + soff2 + m, W.I, blk, r4)
-            for p in range(2 if s + 1 < S else 1):
-                for r in range(GROUP_ROWS):
-                    y[<Py_ssize_t>(s + p) * W.O + o0 + r] = r4[GROUP_ROWS * p + r] * W.s[o0 + r]
+    if not GROUP_KERNELS:
+        for r in range(n):
+            int_row(W, o0 + r, S, xq, xs, nb, blk, idot, y, xsum)
         return
-    for r in range(n):
-        int_row(W, o0 + r, S, xq, xs, nb, blk, idot, y, xsum)
+    if xg != NULL and not wants_split(W, nb):
+        xg = NULL
+    if S == 1 and idot == IDOT_Q8X2:
+        # decode: q1 and its residual q2 are the tile's two activation rows
+        row_tile(W, row, n, xq, off2, xs, xsum, soff2, xg, goff2, 2, blk, t1)
+        for r in range(n):
+            y[o0 + r] = (t1[r] + t1[n + r]) * W.s[o0 + r]
+        return
+    for s0 in range(0, S, 4):
+        P = S - s0 if S - s0 < 4 else 4
+        row_tile(W, row, n, xq + <Py_ssize_t>s0 * I, I, xs + <Py_ssize_t>s0 * nb,
+                 (xsum + <Py_ssize_t>s0 * nb) if xsum != NULL else NULL, nb,
+                 (xg + s0 * gstride) if xg != NULL else NULL, gstride, P, blk, t1)
+        if idot == IDOT_Q8X2:       # the residual rows
+            row_tile(W, row, n, xq + off2 + <Py_ssize_t>s0 * I, I, xs + soff2 + <Py_ssize_t>s0 * nb,
+                     (xsum + soff2 + <Py_ssize_t>s0 * nb) if xsum != NULL else NULL, nb,
+                     (xg + goff2 + s0 * gstride) if xg != NULL else NULL, gstride, P, blk, t2)
+        for p in range(P):
+            for r in range(n):
+                y[<Py_ssize_t>(s0 + p) * O + o0 + r] = ((t1[p * n + r] + t2[p * n + r]) if idot == IDOT_Q8X2
+                                                        else t1[p * n + r]) * W.s[o0 + r]
 
 
 cdef inline void quant_row(const float *x, int n, int blk, int idot, int8_t *q1, float *s1,
                            int8_t *q2, float *s2, float *xr, int32_t *m1=NULL, int32_t *m2=NULL) noexcept nogil:
     """Q8 activations of one row for the integer paths: q1/s1 = Q8(x); with IDOT_Q8X2 also
     q2/s2 = Q8(x − s1·q1), the residual (xr [n] is scratch). m1/m2 (optional): the per-block sums
-    of q1/q2, which the faster int4 two-row kernel takes."""
-    cdef int i
+    of q1/q2, which the tile kernels take."""
     coli_quantize_q8(x, n, blk, q1, s1)
     if m1 != NULL:
         coli_block_sums(q1, n, blk, m1)
     if idot == IDOT_Q8X2:
-        for i in range(n):
-            xr[i] = x[i] - s1[i // blk] * q1[i]
+        coli_q8_residual(x, q1, s1, n, blk, xr)
         coli_quantize_q8(xr, n, blk, q2, s2)
         if m2 != NULL:
             coli_block_sums(q2, n, blk, m2)
@@ -746,7 +754,8 @@ cdef struct FfnJob:
     Py_ssize_t h0                       # its hidden g/u [nr, I]
     Py_ssize_t hq0, hs0                 # its quantized hidden [2·nr, I] and their scales
     Py_ssize_t y0                       # its down outputs [nr, D]
-    Py_ssize_t xg0, hg0                 # split forms of its quantized inputs / hidden (group-scaled int4)
+    Py_ssize_t xg0, hg0                 # split forms of its quantized inputs / hidden (int4)
+    int src                             # the job whose quantized inputs it reads (set by ffn_group)
 
 
 cdef inline int fill_job(FfnJob *J, const QTc *gate, const QTc *up, const QTc *down, int row0, int p0,
@@ -779,7 +788,25 @@ cdef inline int job_of(const FfnJob *jobs, int nj, int item, bint by_work) noexc
     return j
 
 
-cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const float *x, int D,
+cdef inline void share_inputs(FfnJob *jobs, int nj, const int *urow) noexcept nogil:
+    """jobs[j].src = the first job i <= j with j's input rows (the same urow[row0 ..] sequence): the
+    rows are quantized once, into job i's scratch, for all of them. Decode: every FFN of an MoE
+    call reads the one row, quantized once instead of once per FFN."""
+    cdef int j, i, r
+    for j in range(nj):
+        jobs[j].src = j
+        for i in range(j):
+            if jobs[i].src != i or jobs[i].nr != jobs[j].nr:
+                continue
+            r = 0
+            while r < jobs[j].nr and urow[jobs[i].row0 + r] == urow[jobs[j].row0 + r]:
+                r += 1
+            if r == jobs[j].nr:
+                jobs[j].src = i
+                break
+
+
+cdef void ffn_group(FfnJob *jobs, int nj, int npairs, int nwork, const float *x, int D,
                     const int *urow, const float *uw, int block, int idot,
                     int8_t *xq, float *xs, float *g, float *u, int8_t *hq, float *hs, float *yd,
                     float *xr, Py_ssize_t xr_stride, float *out, int nt,
@@ -792,34 +819,45 @@ cdef void ffn_group(const FfnJob *jobs, int nj, int npairs, int nwork, const flo
     output columns of one FFN per item); the sums over the FFNs in job order. Each value is
     computed by one thread with the same kernels and the same order as the unfused path (matmul_qt
     per FFN, then out += w · y), so the results are bit-identical to it and independent of the
-    thread count. xg / hg (NULL: none): room for the split forms of the quantized inputs / hidden
-    rows (rows xgs / hgs bytes apart), made when a job's group-scaled int4 matrices read them."""
-    cdef int p, w, o, k, j, r, i, t, nbD = act_nblocks(D, block)
+    thread count. Jobs with the same input rows share one quantization of them (share_inputs). xg /
+    hg (NULL: none): room for the split forms of the quantized inputs / hidden rows (rows xgs / hgs
+    bytes apart), made when a job's int4 matrices read them."""
+    cdef int p, w, o, k, j, r, i, t, jp, nbD = act_nblocks(D, block)
     cdef int blkD = D if nbD == 1 else block
     cdef const FfnJob *J
+    cdef const FfnJob *X
+    cdef bint split_in = False
+    share_inputs(jobs, nj, urow)
+    if xg != NULL:
+        for j in range(nj):
+            split_in = split_in or wants_split(jobs[j].gate, nbD) or wants_split(jobs[j].up, nbD)
     with parallel(num_threads=nt):
         t = threadid()
         for p in prange(npairs, schedule='static'):
-            J = &jobs[job_of(jobs, nj, p, False)]
+            jp = job_of(jobs, nj, p, False)
+            J = &jobs[jp]
             r = p - J.row0
-            quant_row(x + <Py_ssize_t>urow[p] * D, D, blkD, idot,
-                      xq + J.x0 + <Py_ssize_t>r * D, xs + J.xs0 + <Py_ssize_t>r * nbD,
-                      xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, xs + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD,
-                      xr + t * xr_stride, (xm + J.xs0 + <Py_ssize_t>r * nbD) if xm != NULL else NULL,
-                      (xm + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD) if xm != NULL else NULL)
-            if xg != NULL and (wants_split(J.gate, nbD) or wants_split(J.up, nbD)):
-                split_rows(xq + J.x0 + <Py_ssize_t>r * D, 1, D, xg + J.xg0 + r * xgs, xgs)
-                if idot == IDOT_Q8X2:
-                    split_rows(xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, 1, D, xg + J.xg0 + (J.nr + r) * xgs, xgs)
+            if J.src == jp:         # else an earlier job quantizes these rows
+                quant_row(x + <Py_ssize_t>urow[p] * D, D, blkD, idot,
+                          xq + J.x0 + <Py_ssize_t>r * D, xs + J.xs0 + <Py_ssize_t>r * nbD,
+                          xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, xs + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD,
+                          xr + t * xr_stride, (xm + J.xs0 + <Py_ssize_t>r * nbD) if xm != NULL else NULL,
+                          (xm + J.xs0 + <Py_ssize_t>(J.nr + r) * nbD) if xm != NULL else NULL)
+                if split_in:
+                    split_rows(xq + J.x0 + <Py_ssize_t>r * D, 1, D, xg + J.xg0 + r * xgs, xgs)
+                    if idot == IDOT_Q8X2:
+                        split_rows(xq + J.x0 + <Py_ssize_t>(J.nr + r) * D, 1, D, xg + J.xg0 + (J.nr + r) * xgs,
+                                   xgs)
         for w in prange(nwork, schedule='static'):
             J = &jobs[job_of(jobs, nj, w, True)]
+            X = &jobs[J.src]
             k = w - J.w0
             if k < n_groups(J.I):
-                int_group(J.gate, k, J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, g + J.h0,
-                          (xm + J.xs0) if xm != NULL else NULL, (xg + J.xg0) if xg != NULL else NULL, xgs)
+                int_group(J.gate, k, J.nr, xq + X.x0, xs + X.xs0, nbD, blkD, idot, g + J.h0,
+                          (xm + X.xs0) if xm != NULL else NULL, (xg + X.xg0) if xg != NULL else NULL, xgs)
             else:
-                int_group(J.up, k - n_groups(J.I), J.nr, xq + J.x0, xs + J.xs0, nbD, blkD, idot, u + J.h0,
-                          (xm + J.xs0) if xm != NULL else NULL, (xg + J.xg0) if xg != NULL else NULL, xgs)
+                int_group(J.up, k - n_groups(J.I), J.nr, xq + X.x0, xs + X.xs0, nbD, blkD, idot, u + J.h0,
+                          (xm + X.xs0) if xm != NULL else NULL, (xg + X.xg0) if xg != NULL else NULL, xgs)
         for p in prange(npairs, schedule='static'):
             J = &jobs[job_of(jobs, nj, p, False)]
             r = p - J.row0
@@ -918,12 +956,12 @@ cdef class FfnScratch:
         self.p_xq, self.p_hq, self.p_xs, self.p_g, self.p_u = &xq[0], &hq[0], &xs[0], &g[0], &u[0]
         self.p_hs, self.p_yd, self.p_xr, self.p_uw, self.p_urow = &hs[0], &yd[0], &xr[0, 0], &uw[0], &urow[0]
         self.p_xm, self.p_hm = &xm[0], &hm[0]
-        self.p_xg = self.p_hg = NULL
         self.xr_stride = xr.shape[1]
+        self.split_room()
 
     def split_room(self):
-        """Allocate the room for the split forms of the quantized inputs and hidden rows (needed by
-        group-scaled int4 matrices only)."""
+        """Allocate the room for the split forms of the quantized inputs and hidden rows (read by
+        int4 matrices' tiles; made when the scratch is)."""
         if self.xg is None:
             self.xg = np.zeros(2 * self.max_pairs * self.xgs, np.uint8)
             self.hg = np.zeros(2 * self.max_pairs * self.hgs, np.uint8)
@@ -1201,7 +1239,7 @@ def matmul(QT W, x, int block=0, int idot=IDOT_Q8X2):
     cdef int32_t[::1] mv = xm
     cdef uint8_t[::1] gv
     cdef uint8_t *xg = NULL
-    if W.c.gs > 0 and W.c.fmt == FMT_I4:           # room for the activations' split forms
+    if W.c.fmt == FMT_I4:           # room for the activations' split forms
         gv = np.empty(2 * S * coli_split_len(W.c.I), np.uint8)
         xg = &gv[0]
     matmul_qt(&W.c, &xv[0, 0], S, &yv[0, 0], &qv[0], &sv[0], &rv[0], block, idot, &mv[0] if BLOCK_SUMS else NULL,
@@ -1790,8 +1828,8 @@ cdef class Model:
         return ws
 
     def _split_scratch(self, int S, int I):
-        """Room for the split forms of 2·S activation rows of width I (group-scaled int4 matmuls,
-        coli_split_q8), grown as needed and kept."""
+        """Room for the split forms of 2·S activation rows of width I (int4 matmuls, coli_split_q8),
+        grown as needed and kept."""
         n = 2 * S * coli_split_len(I)
         if self._gsplit is None or self._gsplit.shape[0] < n:
             self._gsplit = np.zeros(n, np.uint8)
@@ -1805,7 +1843,7 @@ cdef class Model:
                 2 * <Py_ssize_t>S * act_nblocks(W.c.I, self.act_block) > ws.xs.shape[0]:
             raise EngineError(f"matmul of {S} rows x {W.c.I} inputs exceeds the activation scratch "
                               f"({ws.xq.shape[0] // 2} values)")
-        if W.c.gs > 0 and W.c.fmt == FMT_I4:
+        if W.c.fmt == FMT_I4:
             gb = self._split_scratch(S, W.c.I)
             xg = &gb[0]
         with nogil:
@@ -1834,7 +1872,7 @@ cdef class Model:
                 2 * <Py_ssize_t>S * act_nblocks(cs[0].I, self.act_block) > ws.xs.shape[0]:
             raise EngineError(f"matmul of {S} rows x {cs[0].I} inputs exceeds the activation scratch")
         cdef uint8_t *xg = NULL
-        if any((<QT>W).c.gs > 0 and (<QT>W).c.fmt == FMT_I4 for W in Ws):
+        if any((<QT>W).c.fmt == FMT_I4 for W in Ws):
             gb = self._split_scratch(S, cs[0].I)
             xg = &gb[0]
         with nogil:
@@ -2002,10 +2040,8 @@ cdef class Model:
                 P.wp_grouped = True
         P.tbuf, P.tstride = &tbuf[0, 0], tbuf.shape[1]
         P.xq, P.xs, P.xr, P.xm = &ws.xq[0], &ws.xs[0], &ws.xr[0], &ws.xm[0] if BLOCK_SUMS else NULL
-        P.xg = NULL
-        if self.grouped4:
-            gb = self._split_scratch(ws.C, widest)
-            P.xg = &gb[0]
+        gb = self._split_scratch(ws.C, widest)       # int4 matmuls read their activations' split forms
+        P.xg = &gb[0]
         P.router = NULL
         if L.sparse:
             bias = L.router_bias
@@ -2522,8 +2558,7 @@ cdef class Model:
         cdef TokenStep T
         self._build_steps(ws)
         cdef FfnScratch fs = self._ffn_scratch(S * (K + 1), c.n_experts + 1, 0)
-        if self.grouped4:
-            fs.split_room()
+        fs.split_room()
         if self._rec is None or self._rec[1].shape[1] < S * K:
             self._rec = (np.zeros(nL, np.int32), np.zeros((nL, S * K), np.int32))
         cdef int[::1] rec_nu = self._rec[0]
@@ -2674,7 +2709,7 @@ cdef class Model:
         cdef float *lp = &lv[0, 0]
         cdef uint8_t[::1] gb
         cdef uint8_t *xg = NULL
-        if self.lm_head.c.gs > 0 and self.lm_head.c.fmt == FMT_I4:
+        if self.lm_head.c.fmt == FMT_I4:
             gb = self._split_scratch(S, D)
             xg = &gb[0]
         with nogil:

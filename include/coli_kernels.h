@@ -27,6 +27,7 @@
 #include "coli_dot_i4.h"
 #include "coli_dot_f32.h"
 #include "coli_axpy.h"
+#include "coli_split.h"
 #include "coli_rows4.h"
 #include "coli_quant.h"
 #include "coli_group.h"
@@ -53,18 +54,12 @@ typedef struct coli_kernel_table {
                            long sstride, int R, int n, int block, float *out);
     float (*rowdot2s_i4)(const uint8_t *w_packed, const int8_t *q1, const float *xs1, const int32_t *s1,
                          const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block);
-    void (*rowdot2s_i4_x4)(const uint8_t *w_packed, long rb, const int8_t *q1, const float *xs1,
-                           const int32_t *s1, const int8_t *q2, const float *xs2, const int32_t *s2,
-                           int n, int block, float *out);
-    void (*rowdot2s_i8_x4)(const int8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
-                           const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
-                           float *out);
-    void (*rowdot2s_i4_x4x2)(const uint8_t *w_packed, long rb, const int8_t *q1, const float *xs1,
-                             const int32_t *s1, const int8_t *q2, const float *xs2, const int32_t *s2,
-                             int n, int block, long qstep, long sstep, float *out);
-    void (*rowdot2s_i8_x4x2)(const int8_t *w, long rb, const int8_t *q1, const float *xs1, const int32_t *s1,
-                             const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block,
-                             long qstep, long sstep, float *out);
+    void (*rowdot_i8_tile)(const int8_t *w, long rb, int nw, const int8_t *q, long qstride, const float *xs,
+                           const int32_t *s, long sstride, const uint8_t *xg, long gstride, int P, int n,
+                           int block, float *out);
+    void (*rowdot_i4_tile)(const uint8_t *w_packed, long rb, int nw, const int8_t *q, long qstride,
+                           const float *xs, const int32_t *s, long sstride, const uint8_t *xg, long gstride,
+                           int P, int n, int block, float *out);
     void (*axpy_f32)(float *y, float c, const float *x, int n);
     void (*axpy_q8f32)(float *y, float c, const int8_t *w, int n);
     void (*axpy_q4f32)(float *y, float c, const uint8_t *w_packed, int n);
@@ -102,8 +97,7 @@ typedef struct coli_kernel_table {
       coli_rowdot_i4_##sfx, coli_dot_f32_##sfx, coli_dot_q8f32_##sfx, coli_dot_q4f32_##sfx, \
       coli_quantize_q8_##sfx, coli_rowdot2_i8_##sfx, coli_rowdot2_i4_##sfx,                  \
       coli_rowdot_i8_rows_##sfx, coli_rowdot_i4_rows_##sfx, coli_rowdot2s_i4_##sfx,            \
-      coli_rowdot2s_i4_x4_##sfx, coli_rowdot2s_i8_x4_##sfx, coli_rowdot2s_i4_x4x2_##sfx,    \
-      coli_rowdot2s_i8_x4x2_##sfx, coli_axpy_f32_##sfx,                                      \
+      coli_rowdot_i8_tile_##sfx, coli_rowdot_i4_tile_##sfx, coli_axpy_f32_##sfx,               \
       coli_axpy_q8f32_##sfx, coli_axpy_q4f32_##sfx, coli_axpy_rows_f32_##sfx,                 \
       coli_axpy_rows_q8f32_##sfx, coli_axpy_rows_q4f32_##sfx, coli_dots_f32_##sfx,            \
       coli_dots_q8f32_##sfx, coli_dots_q4f32_##sfx, coli_rowdotg_i8_##sfx, coli_rowdotg_i4_##sfx, \
@@ -220,39 +214,25 @@ static inline float coli_rowdot2s_i4(const uint8_t *w_packed, const int8_t *q1, 
     return coli_kt.rowdot2s_i4(w_packed, q1, xs1, s1, q2, xs2, s2, n, block);
 }
 
-/* Four consecutive weight rows (row r at w + r*rb bytes) against the idot=2 pair with its block
- * sums: out[r] = coli_rowdot2s_i4(w + r*rb, ...) (int4) or coli_rowdot2_i8(w + r*rb, ...) (int8),
- * bit-identical; the decode matmuls' unit of work (one pass over the activations for four rows). */
-static inline void coli_rowdot2s_i4_x4(const uint8_t *w_packed, long rb, const int8_t *q1, const float *xs1,
-                                       const int32_t *s1, const int8_t *q2, const float *xs2,
-                                       const int32_t *s2, int n, int block, float *out)
+/* The tile of the per-row-scale integer matmuls (coli_rows4.h), the decode matmuls' unit of work:
+ * nw (1..4) consecutive weight rows (row r at w + r*rb bytes) against P >= 1 Q8 activation rows
+ * (row p at q + p*qstride; its block scales and block sums at xs / s + p*sstride, its split form at
+ * xg + p*gstride; s and xg may be NULL):
+ *   out[p*nw + r] = coli_rowdot_i8 / coli_rowdot_i4(w + r*rb, q + p*qstride, xs + p*sstride, n, block)
+ * bit-identical. The idot=2 pair (q1, its residual q2) is two activation rows; with the block sums
+ * (and, for int4, the split forms) the AVX-512 tile needs one vpdpbusd per 64 weights and row. */
+static inline void coli_rowdot_i8_tile(const int8_t *w, long rb, int nw, const int8_t *q, long qstride,
+                                       const float *xs, const int32_t *s, long sstride, const uint8_t *xg,
+                                       long gstride, int P, int n, int block, float *out)
 {
-    coli_kt.rowdot2s_i4_x4(w_packed, rb, q1, xs1, s1, q2, xs2, s2, n, block, out);
+    coli_kt.rowdot_i8_tile(w, rb, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block, out);
 }
 
-static inline void coli_rowdot2s_i8_x4(const int8_t *w, long rb, const int8_t *q1, const float *xs1,
-                                       const int32_t *s1, const int8_t *q2, const float *xs2,
-                                       const int32_t *s2, int n, int block, float *out)
+static inline void coli_rowdot_i4_tile(const uint8_t *w_packed, long rb, int nw, const int8_t *q, long qstride,
+                                       const float *xs, const int32_t *s, long sstride, const uint8_t *xg,
+                                       long gstride, int P, int n, int block, float *out)
 {
-    coli_kt.rowdot2s_i8_x4(w, rb, q1, xs1, s1, q2, xs2, s2, n, block, out);
-}
-
-/* coli_rowdot2s_*_x4 for two activation rows at once (a verify batch): row p's q1 / q2 at
- * + p * qstep, its scales and block sums at + p * sstep; out[4 * p + r] */
-static inline void coli_rowdot2s_i4_x4x2(const uint8_t *w_packed, long rb, const int8_t *q1, const float *xs1,
-                                         const int32_t *s1, const int8_t *q2, const float *xs2,
-                                         const int32_t *s2, int n, int block, long qstep, long sstep,
-                                         float *out)
-{
-    coli_kt.rowdot2s_i4_x4x2(w_packed, rb, q1, xs1, s1, q2, xs2, s2, n, block, qstep, sstep, out);
-}
-
-static inline void coli_rowdot2s_i8_x4x2(const int8_t *w, long rb, const int8_t *q1, const float *xs1,
-                                         const int32_t *s1, const int8_t *q2, const float *xs2,
-                                         const int32_t *s2, int n, int block, long qstep, long sstep,
-                                         float *out)
-{
-    coli_kt.rowdot2s_i8_x4x2(w, rb, q1, xs1, s1, q2, xs2, s2, n, block, qstep, sstep, out);
+    coli_kt.rowdot_i4_tile(w_packed, rb, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block, out);
 }
 
 /* y[i] += c * x[i] (x float / int8 / packed int4 - 8), element by element, bit-identical across

@@ -46,6 +46,21 @@ static inline void coli_quantize_q8_scalar(const float *x, int n, int block, int
     }
 }
 
+/* The residual of a Q8 row (the input of idot=2's second quantization): xr[i] = x[i] - xs[b] * q[i]
+ * for the elements i of block b, the product rounded to float before the subtraction. Plain C for
+ * every ISA: the compiler vectorizes it for the baseline ISA (SSE2, which has no fma to contract
+ * the two into), and a vector lane computes what one scalar operation does. */
+static inline void coli_q8_residual(const float *x, const int8_t *q, const float *xs, int n, int block, float *xr)
+{
+    block = coli_block_len(n, block);
+    for (int i0 = 0, b = 0; i0 < n; i0 += block, b++) {
+        int end = n - i0 < block ? n : i0 + block;
+        const float s = xs[b];
+        for (int i = i0; i < end; i++)
+            xr[i] = x[i] - s * (float)q[i];
+    }
+}
+
 #if COLI_X86
 /* ========================================= AVX2 ========================================= */
 

@@ -1,55 +1,103 @@
-/* Four-row decode kernels: four consecutive weight rows (row r at w + r*rb bytes) against the
- * idot=2 activation pair q1/q2 whose per-block sums s1/s2 are known (computed when the
- * activations were quantized):
+/* Tiles of the per-row-scale integer matmuls: the decode matmuls' unit of work.
  *
- *   coli_rowdot2s_i4_x4_<isa>(w, rb, q1, xs1, s1, q2, xs2, s2, n, block, out)
- *       out[r] = coli_rowdot2s_i4_<isa>(w + r*rb, q1, xs1, s1, q2, xs2, s2, n, block)
- *   coli_rowdot2s_i8_x4_<isa>(...)  the same for int8 rows (= coli_rowdot2_i8)
+ *   coli_rowdot_<kind>_tile_<isa>(w, rb, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block, out)
+ *       out[p*nw + r] = coli_rowdot_<kind>_<isa>(w + r*rb, q + p*qstride, xs + p*sstride, n, block)
+ *   for nw (1..4) consecutive weight rows (int8, kind i8, or packed int4, kind i4: row r at w + r*rb
+ *   bytes) and P >= 1 Q8 activation rows: row p at q + p*qstride, its block scales at xs + p*sstride,
+ *   its block sums (s[b] = the sum of q over block b, int32; coli_block_sums) at s + p*sstride, its
+ *   split form (coli_split.h) at xg + p*gstride. s and xg may be NULL (not known); out must not
+ *   alias the inputs.
  *
- * bit-identical to the one-row kernels (the same block integers, the same float operations per
- * row), hence to every ISA. The scalar and AVX2 versions are those one-row calls; AVX-512 VNNI
- * loads the activations once for the four rows, reduces the four rows' block sums together and
- * shares the call overhead, which on short rows (an expert's 512-wide down projection) is ~1.5x
- * the one-row kernel.
+ * Bit-identical to the one-row kernels per output (the same exact block integers, then per
+ * activation row xs[b] * (float)dot_b added block by block in order through coli_block_acc), hence
+ * to every ISA. The scalar tile is that definition, one row dot per output; AVX2 takes the
+ * multi-activation row dots (coli_rowsg_*: each weight row read once for up to four activation
+ * rows).
+ *
+ * AVX-512 VNNI loads the activations once for the nw weight rows and decodes each weight vector once
+ * for the P activation rows. vpdpbusd wants its first operand unsigned: int8 weights become
+ * u = w ^ 0x80 = w + 128, int4 weights keep their stored nibble u = v + 8, and the block sums
+ * correct the bias: dot_b = sum u*x - bias * s[b] (bias 128 resp. 8), exact modulo 2^32 and so
+ * exact (the true dot fits in int32; the int8 lanes may wrap). Per 64 weights and activation row
+ * that is one vpdpbusd. int4 with the split activations (coli_split.h; one activation block per row,
+ * or blocks of a multiple of 128): 64 packed bytes give the block's even weights (byte & 15) and its
+ * odd ones ((byte >> 4) & 15) in two ands and a shift, against the split form's even and odd
+ * activations; int4 without it widens the nibbles to bytes (coli_i4x64_unpack_avx512), three
+ * instructions per 64 weights including a cross-lane one. Without the block sums the tile takes the
+ * multi-activation row dots.
  */
 #ifndef COLI_ROWS4_H
 #define COLI_ROWS4_H
 
 #include "coli_dot_i8.h"
 #include "coli_dot_i4.h"
+#include "coli_split.h"
 
-#define COLI_ROWDOT2S_X4_BY_ROW(kind, WT, sfx, ATTR)                                               \
-    ATTR static inline void coli_rowdot2s_##kind##_x4_##sfx(const WT *w, long rb, const int8_t *q1, \
-                                                           const float *xs1, const int32_t *s1,     \
-                                                           const int8_t *q2, const float *xs2,      \
-                                                           const int32_t *s2, int n, int block,     \
-                                                           float *out)                              \
+/* ================================ scalar (the definition) ================================ */
+
+#define COLI_TILE_SCALAR(kind, WT)                                                                 \
+    static inline void coli_rowdot_##kind##_tile_scalar(const WT *w, long rb, int nw, const int8_t *q, \
+                                                        long qstride, const float *xs,             \
+                                                        const int32_t *s, long sstride,            \
+                                                        const uint8_t *xg, long gstride, int P,    \
+                                                        int n, int block, float *out)              \
     {                                                                                              \
-        for (int r = 0; r < 4; r++)                                                                \
-            out[r] = coli_rowdot2s_##kind##_##sfx(w + r * rb, q1, xs1, s1, q2, xs2, s2, n, block); \
+        (void)s; (void)xg; (void)gstride;                                                          \
+        for (int p = 0; p < P; p++)                                                                \
+            for (int r = 0; r < nw; r++)                                                           \
+                out[p * nw + r] = coli_rowdot_##kind##_scalar(w + r * rb, q + p * qstride,         \
+                                                              xs + p * sstride, n, block);         \
     }
-#define COLI_ROWDOT2S_X4X2_BY_ROW(kind, WT, sfx, ATTR)                                             \
-    ATTR static inline void coli_rowdot2s_##kind##_x4x2_##sfx(const WT *w, long rb, const int8_t *q1, \
-                                                             const float *xs1, const int32_t *s1,   \
-                                                             const int8_t *q2, const float *xs2,    \
-                                                             const int32_t *s2, int n, int block,   \
-                                                             long qstep, long sstep, float *out)    \
-    {                                                                                              \
-        for (int p = 0; p < 2; p++)                                                                \
-            coli_rowdot2s_##kind##_x4_##sfx(w, rb, q1 + p * qstep, xs1 + p * sstep, s1 + p * sstep, \
-                                            q2 + p * qstep, xs2 + p * sstep, s2 + p * sstep, n,     \
-                                            block, out + 4 * p);                                   \
-    }
-COLI_ROWDOT2S_X4_BY_ROW(i8, int8_t, scalar, )
-COLI_ROWDOT2S_X4_BY_ROW(i4, uint8_t, scalar, )
-COLI_ROWDOT2S_X4X2_BY_ROW(i8, int8_t, scalar, )
-COLI_ROWDOT2S_X4X2_BY_ROW(i4, uint8_t, scalar, )
+COLI_TILE_SCALAR(i8, int8_t)
+COLI_TILE_SCALAR(i4, uint8_t)
 
 #if COLI_X86
-COLI_ROWDOT2S_X4_BY_ROW(i8, int8_t, avx2, COLI_AVX2)
-COLI_ROWDOT2S_X4_BY_ROW(i4, uint8_t, avx2, COLI_AVX2)
-COLI_ROWDOT2S_X4X2_BY_ROW(i8, int8_t, avx2, COLI_AVX2)
-COLI_ROWDOT2S_X4X2_BY_ROW(i4, uint8_t, avx2, COLI_AVX2)
+/* ============================ AVX2 (and AVX-512 without sums) ============================ */
+
+/* The tile through coli_rowsg_<kind>_<sfx>: up to four activation rows per pass over a weight row */
+#define COLI_TILE_BY_ROWSG(kind, WT, sfx, ATTR)                                                    \
+    ATTR static inline void coli_rowdot_##kind##_tile_rowsg_##sfx(const WT *w, long rb, int nw,     \
+                                                                  const int8_t *q, long qstride,   \
+                                                                  const float *xs, long sstride,   \
+                                                                  int P, int n, int block,         \
+                                                                  float *out)                      \
+    {                                                                                              \
+        for (int p0 = 0; p0 < P; p0 += COLI_ROWS_G) {                                              \
+            int g = P - p0 < COLI_ROWS_G ? P - p0 : COLI_ROWS_G;                                   \
+            const int8_t *qp[COLI_ROWS_G];                                                         \
+            const float *sp[COLI_ROWS_G];                                                          \
+            float o[COLI_ROWS_G];                                                                  \
+            for (int p = 0; p < g; p++) {                                                          \
+                qp[p] = q + (long)(p0 + p) * qstride;                                              \
+                sp[p] = xs + (long)(p0 + p) * sstride;                                             \
+            }                                                                                      \
+            for (int r = 0; r < nw; r++) {                                                         \
+                coli_rowsg_##kind##_##sfx(w + r * rb, qp, sp, g, n, block, o);                     \
+                for (int p = 0; p < g; p++)                                                        \
+                    out[(p0 + p) * nw + r] = o[p];                                                 \
+            }                                                                                      \
+        }                                                                                          \
+    }
+COLI_TILE_BY_ROWSG(i8, int8_t, avx2, COLI_AVX2)
+COLI_TILE_BY_ROWSG(i4, uint8_t, avx2, COLI_AVX2)
+COLI_TILE_BY_ROWSG(i8, int8_t, avx512, COLI_AVX512)
+COLI_TILE_BY_ROWSG(i4, uint8_t, avx512, COLI_AVX512)
+
+#define COLI_TILE_AVX2(kind, WT)                                                                   \
+    COLI_AVX2 static inline void coli_rowdot_##kind##_tile_avx2(const WT *w, long rb, int nw,       \
+                                                                const int8_t *q, long qstride,     \
+                                                                const float *xs, const int32_t *s, \
+                                                                long sstride, const uint8_t *xg,   \
+                                                                long gstride, int P, int n,        \
+                                                                int block, float *out)             \
+    {                                                                                              \
+        (void)s; (void)xg; (void)gstride;                                                          \
+        coli_rowdot_##kind##_tile_rowsg_avx2(w, rb, nw, q, qstride, xs, sstride, P, n, block, out); \
+    }
+COLI_TILE_AVX2(i8, int8_t)
+COLI_TILE_AVX2(i4, uint8_t)
+
+/* ===================================== AVX-512 VNNI ===================================== */
 
 /* 64 weights of one row from element `at` on as vpdpbusd's unsigned operand: int4 keeps its
  * stored nibble u = v + 8, int8 becomes w ^ 0x80 = w + 128 (the kernel subtracts 8 resp. 128
@@ -67,117 +115,267 @@ COLI_AVX512 static COLI_ALWAYS_INLINE __m512i coli_x4_weights_avx512(const uint8
     return _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
 }
 
-/* For activation rows p < P: a1[p][r] += u_r · x1[p], a2[p][r] += u_r · x2[p] for the four weight
- * rows' 64 weights from element `at` (each weight vector decoded once for all P rows) */
-COLI_AVX512 static COLI_ALWAYS_INLINE void coli_x4_step_avx512(const uint8_t *w, long rb, int at, int rem,
-                                                               const __m512i *x1, const __m512i *x2,
-                                                               __m512i (*a1)[4], __m512i (*a2)[4],
-                                                               const int P, const int is4)
+/* the AVX-512 tile's weight decodings */
+enum { COLI_TILE_I8 = 0, COLI_TILE_I4 = 1, COLI_TILE_I4S = 2 };
+
+#define COLI_DPBUSD(acc, u, x) ((acc) = _mm512_dpbusd_epi32((acc), (u), (x)))
+
+/* One step of the tile for NW weight rows (w + r*rb) and P activation rows, into a[p][r]:
+ * I8 / I4: 64 inputs (rem < 64: the row's last ones, masked), the activations from q + p*qstride;
+ * I4S: 128 inputs (rem < 128: the row's last ones, ceil(rem/2) weight bytes), the activations from
+ * their split forms (g + p*gstride: this block's even then odd inputs, zeros past n) - low
+ * nibbles . even inputs into a, high nibbles . odd inputs into a too, or into h when P == 1 (two
+ * dependency chains per weight row). */
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_step_avx512(const uint8_t *w, long rb, const int8_t *q,
+                                                                 long qstride, const uint8_t *g, long gstride,
+                                                                 int rem, const int NW, const int P, const int K,
+                                                                 __m512i (*a)[4], __m512i (*h)[4])
 {
-    COLI_UNROLL_G
-    for (int r = 0; r < 4; r++) {
-        __m512i u = coli_x4_weights_avx512(w + r * rb, at, rem, is4);
+    if (K == COLI_TILE_I4S) {
+        const __m512i m4 = _mm512_set1_epi8(0x0F);
+        __m512i xe[4], xo[4];
+        COLI_UNROLL_G
         for (int p = 0; p < P; p++) {
-            a1[p][r] = _mm512_dpbusd_epi32(a1[p][r], u, x1[p]);
-            a2[p][r] = _mm512_dpbusd_epi32(a2[p][r], u, x2[p]);
+            xe[p] = _mm512_loadu_si512(g + p * gstride);
+            xo[p] = _mm512_loadu_si512(g + p * gstride + 64);
+        }
+        COLI_UNROLL_G
+        for (int r = 0; r < NW; r++) {
+            __m512i wv = rem >= 128 ? _mm512_loadu_si512(w + r * rb)
+                                    : _mm512_maskz_loadu_epi8(~0ULL >> (64 - (rem + 1) / 2), w + r * rb);
+            __m512i lo = _mm512_and_si512(wv, m4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+            COLI_UNROLL_G
+            for (int p = 0; p < P; p++) {
+                COLI_DPBUSD(a[p][r], lo, xe[p]);
+                if (P == 1)
+                    COLI_DPBUSD(h[p][r], hi, xo[p]);
+                else
+                    COLI_DPBUSD(a[p][r], hi, xo[p]);
+            }
+        }
+    } else {
+        __m512i x[4];
+        COLI_UNROLL_G
+        for (int p = 0; p < P; p++)
+            x[p] = rem >= 64 ? _mm512_loadu_si512(q + p * qstride)
+                             : _mm512_maskz_loadu_epi8(~0ULL >> (64 - rem), q + p * qstride);
+        COLI_UNROLL_G
+        for (int r = 0; r < NW; r++) {
+            __m512i u = coli_x4_weights_avx512(w + r * rb, 0, rem, K == COLI_TILE_I4);
+            COLI_UNROLL_G
+            for (int p = 0; p < P; p++)
+                COLI_DPBUSD(a[p][r], u, x[p]);
         }
     }
 }
 
-/* The four-row kernel for int4 (is4) or int8 rows and P (1 or 2) activation rows; row p's q1 /
- * q2 at + p * qstep, its scales and block sums at + p * sstep; out[4 * p + r]. Per block: the
- * activations are loaded once, each (activation row, weight row) adds u·x1 and u·x2 into its own
- * int32 lanes, then the four weight rows' sums are reduced together and each accumulates
- * xs * (sum - bias * s) in block order (coli_block_acc): per output, the one-row kernels' float
- * operations. The lanes may wrap for int8 (255 * 127 per product), but the arithmetic is exact
- * modulo 2^32 and the true block dot fits in int32. */
-COLI_AVX512 static COLI_ALWAYS_INLINE void coli_rowdot2s_x4_k_avx512(const uint8_t *w, long rb, const int8_t *q1,
-                                                                     const float *xs1, const int32_t *s1,
-                                                                     const int8_t *q2, const float *xs2,
-                                                                     const int32_t *s2, int n, int block,
-                                                                     long qstep, long sstep, float *out,
-                                                                     const int P, const int is4)
+/* the eight horizontal sums of a[0..3] and b[0..3], as [a0 a1 a2 a3 b0 b1 b2 b3]: the first two
+ * levels as in coli_hsum4_i32_avx512 leave [a0 a1 a2 a3] partial sums in every 128-bit lane of A
+ * (resp. B), then the lanes of both are added crosswise */
+COLI_AVX512 static COLI_ALWAYS_INLINE __m256i coli_hsum8_i32_avx512(const __m512i *a, const __m512i *b)
 {
-    const int32_t bias = is4 ? 8 : 128;
-    float acc1[2][4] = {{0.0f}}, acc2[2][4] = {{0.0f}};
-    int i = 0, b = 0;
-    block = coli_block_len(n, block);
-    for (; i < n; i += block, b++) {
-        int len = n - i < block ? n - i : block;
-        __m512i a1[2][4], a2[2][4], x1[2], x2[2];
-        for (int p = 0; p < P; p++)
-            COLI_UNROLL_G
-            for (int r = 0; r < 4; r++)
-                a1[p][r] = a2[p][r] = _mm512_setzero_si512();
-        int j = 0;
-        for (; j + 64 <= len; j += 64) {
-            for (int p = 0; p < P; p++) {
-                x1[p] = _mm512_loadu_si512(q1 + p * qstep + i + j);
-                x2[p] = _mm512_loadu_si512(q2 + p * qstep + i + j);
-            }
-            coli_x4_step_avx512(w, rb, i + j, 64, x1, x2, a1, a2, P, is4);
-        }
-        if (j < len) {
-            __mmask64 mx = ~0ULL >> (64 - (len - j));
-            for (int p = 0; p < P; p++) {
-                x1[p] = _mm512_maskz_loadu_epi8(mx, q1 + p * qstep + i + j);
-                x2[p] = _mm512_maskz_loadu_epi8(mx, q2 + p * qstep + i + j);
-            }
-            coli_x4_step_avx512(w, rb, i + j, len - j, x1, x2, a1, a2, P, is4);
-        }
-        for (int p = 0; p < P; p++) {
-            int32_t d1[4], d2[4];
-            _mm_storeu_si128((__m128i *)d1, coli_hsum4_i32_avx512(a1[p][0], a1[p][1], a1[p][2], a1[p][3]));
-            _mm_storeu_si128((__m128i *)d2, coli_hsum4_i32_avx512(a2[p][0], a2[p][1], a2[p][2], a2[p][3]));
-            float sc1 = xs1[p * sstep + b], sc2 = xs2[p * sstep + b];
-            int32_t c1 = bias * s1[p * sstep + b], c2 = bias * s2[p * sstep + b];
-            COLI_UNROLL_G
-            for (int r = 0; r < 4; r++) {
-                acc1[p][r] = coli_block_acc(acc1[p][r], sc1, d1[r] - c1);
-                acc2[p][r] = coli_block_acc(acc2[p][r], sc2, d2[r] - c2);
-            }
-        }
-    }
+    __m512i a01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+    __m512i a23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
+    __m512i b01 = _mm512_add_epi32(_mm512_unpacklo_epi32(b[0], b[1]), _mm512_unpackhi_epi32(b[0], b[1]));
+    __m512i b23 = _mm512_add_epi32(_mm512_unpacklo_epi32(b[2], b[3]), _mm512_unpackhi_epi32(b[2], b[3]));
+    __m512i A = _mm512_add_epi32(_mm512_unpacklo_epi64(a01, a23), _mm512_unpackhi_epi64(a01, a23));
+    __m512i B = _mm512_add_epi32(_mm512_unpacklo_epi64(b01, b23), _mm512_unpackhi_epi64(b01, b23));
+    __m512i t = _mm512_add_epi32(_mm512_shuffle_i64x2(A, B, _MM_SHUFFLE(1, 0, 1, 0)),  /* A0 A1 B0 B1 */
+                                 _mm512_shuffle_i64x2(A, B, _MM_SHUFFLE(3, 2, 3, 2))); /* + A2 A3 B2 B3 */
+    t = _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(3, 1, 2, 0));                            /* A02 B02 A13 B13 */
+    return _mm256_add_epi32(_mm512_castsi512_si256(t), _mm512_extracti64x4_epi64(t, 1));
+}
+
+/* acc + xs * (float)(d - c), lane by lane: coli_block_acc for 8 outputs (xs, c per lane) */
+COLI_AVX512 static COLI_ALWAYS_INLINE __m256 coli_block_acc8(__m256 acc, __m256 xs, __m256i d, __m256i c)
+{
+    __m256 p = _mm256_mul_ps(xs, _mm256_cvtepi32_ps(_mm256_sub_epi32(d, c)));
+    __asm__("" : "+v"(p)); /* no fma contraction, see coli_block_acc */
+    return _mm256_add_ps(acc, p);
+}
+
+/* The integer dots of one activation block [i, i + len) for NW (1 or 4) weight rows x P (1, 2 or 4)
+ * activation rows, left in a[p][r] as 16 int32 lanes each (without the bias correction): the steps
+ * (I8 / I4 with P == 1 alternate two accumulator sets, I4S keeps the high nibbles' products apart).
+ * I4S: the block is whole 128-input chunks but for the row's last. */
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_block_avx512(const uint8_t *w, long rb, const int8_t *q,
+                                                                  long qstride, const uint8_t *xg, long gstride,
+                                                                  int i, int len, const int NW, const int P,
+                                                                  const int K, __m512i (*a)[4])
+{
+    const int wshift = K == COLI_TILE_I8 ? 0 : 1; /* weight bytes = inputs >> wshift */
+    const uint8_t *wp = w + (i >> wshift);
+    const int8_t *qp = q + i;
+    const uint8_t *gp = K == COLI_TILE_I4S ? xg + (long)(i >> 7) * COLI_SPLIT_BYTES : NULL;
+    __m512i h[4][4];
+    int j = 0;
+    COLI_UNROLL_G
     for (int p = 0; p < P; p++)
         COLI_UNROLL_G
         for (int r = 0; r < 4; r++)
-            out[4 * p + r] = acc1[p][r] + acc2[p][r];
+            a[p][r] = h[p][r] = _mm512_setzero_si512();
+    if (K == COLI_TILE_I4S) {
+        for (; j + 128 <= len; j += 128, wp += 64, gp += COLI_SPLIT_BYTES)
+            coli_tile_step_avx512(wp, rb, qp, qstride, gp, gstride, 128, NW, P, K, a, h);
+    } else {
+        const int step = 64 >> wshift;
+        for (; j + 128 <= len; j += 128, wp += 2 * step, qp += 128) {
+            coli_tile_step_avx512(wp, rb, qp, qstride, gp, gstride, 64, NW, P, K, a, h);
+            coli_tile_step_avx512(wp + step, rb, qp + 64, qstride, gp, gstride, 64, NW, P, K, P == 1 ? h : a, h);
+        }
+        if (j + 64 <= len) {
+            coli_tile_step_avx512(wp, rb, qp, qstride, gp, gstride, 64, NW, P, K, a, h);
+            j += 64, wp += step, qp += 64;
+        }
+    }
+    if (j < len) /* the row's last inputs (the constant steps above keep the loads unmasked) */
+        coli_tile_step_avx512(wp, rb, qp, qstride, gp, gstride, len - j, NW, P, K, a, h);
+    /* An empty asm per accumulator: without it GCC (12) ties the loop's accumulators to the
+     * registers the reduction below wants and copies them around every vpdpbusd in the loop. */
+    COLI_UNROLL_G
+    for (int p = 0; p < P; p++)
+        COLI_UNROLL_G
+        for (int r = 0; r < NW; r++) {
+            __asm__("" : "+v"(a[p][r]));
+            if (P == 1)
+                __asm__("" : "+v"(h[p][r]));
+        }
+    if (P == 1)
+        COLI_UNROLL_G
+        for (int r = 0; r < NW; r++)
+            a[0][r] = _mm512_add_epi32(a[0][r], h[0][r]);
 }
 
-COLI_AVX512 static inline void coli_rowdot2s_i4_x4_avx512(const uint8_t *w, long rb, const int8_t *q1,
-                                                          const float *xs1, const int32_t *s1,
-                                                          const int8_t *q2, const float *xs2,
-                                                          const int32_t *s2, int n, int block, float *out)
+/* acc[p][r] (+)= the block's float terms xs[p][b] (x) (float)(dot - bias * s[p][b]) of its dots a:
+ * NW = 4: 8 lanes [p][r] per pair of activation rows (an odd last row: its lanes repeat in the upper
+ * 4); NW = 1: acc1[p] */
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_terms_avx512(__m512i (*a)[4], const float *xs, const int32_t *s,
+                                                                  long sstride, int b, const int NW, const int P,
+                                                                  const int K, __m256 *acc8, float *acc1)
 {
-    coli_rowdot2s_x4_k_avx512(w, rb, q1, xs1, s1, q2, xs2, s2, n, block, 0, 0, out, 1, 1);
+    const int32_t bias = K == COLI_TILE_I8 ? 128 : 8;
+    if (NW == 4) {
+        COLI_UNROLL_G
+        for (int p = 0; p < P; p += 2) {
+            const int p2 = P == 1 ? 0 : p + 1;
+            __m256i d = coli_hsum8_i32_avx512(a[p], a[p2]);
+            __m256 sc = _mm256_set_m128(_mm_set1_ps(xs[p2 * sstride + b]), _mm_set1_ps(xs[p * sstride + b]));
+            __m256i c = _mm256_set_m128i(_mm_set1_epi32(bias * s[p2 * sstride + b]),
+                                         _mm_set1_epi32(bias * s[p * sstride + b]));
+            acc8[p / 2] = coli_block_acc8(acc8[p / 2], sc, d, c);
+        }
+    } else {
+        COLI_UNROLL_G
+        for (int p = 0; p < P; p++)
+            acc1[p] = coli_block_acc(acc1[p], xs[p * sstride + b],
+                                     _mm512_reduce_add_epi32(a[p][0]) - bias * s[p * sstride + b]);
+    }
 }
 
-COLI_AVX512 static inline void coli_rowdot2s_i8_x4_avx512(const int8_t *w, long rb, const int8_t *q1,
-                                                          const float *xs1, const int32_t *s1,
-                                                          const int8_t *q2, const float *xs2,
-                                                          const int32_t *s2, int n, int block, float *out)
+/* The tile for NW (1 or 4) weight rows x P (1, 2 or 4) activation rows with their block sums, one
+ * decoding K: per activation block its dots, the rows' lanes reduced together, then per output the
+ * block's float term, in block order; out[p * ostride + r]. One block (the engine's default) has a
+ * path of its own: no loop around the dots' loop keeps GCC's accumulators in place. */
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_k_avx512(const uint8_t *w, long rb, const int8_t *q, long qstride,
+                                                              const float *xs, const int32_t *s, long sstride,
+                                                              const uint8_t *xg, long gstride, int n, int block,
+                                                              float *out, long ostride, const int NW, const int P,
+                                                              const int K)
 {
-    coli_rowdot2s_x4_k_avx512((const uint8_t *)w, rb, q1, xs1, s1, q2, xs2, s2, n, block, 0, 0, out, 1, 0);
+    __m256 acc8[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    float acc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    __m512i a[4][4];
+    block = coli_block_len(n, block);
+    if (block == n) {
+        coli_tile_block_avx512(w, rb, q, qstride, xg, gstride, 0, n, NW, P, K, a);
+        coli_tile_terms_avx512(a, xs, s, sstride, 0, NW, P, K, acc8, acc1);
+    } else {
+        for (int i = 0, b = 0; i < n; i += block, b++) {
+            coli_tile_block_avx512(w, rb, q, qstride, xg, gstride, i, n - i < block ? n - i : block, NW, P, K, a);
+            coli_tile_terms_avx512(a, xs, s, sstride, b, NW, P, K, acc8, acc1);
+        }
+    }
+    if (NW == 4) {
+        COLI_UNROLL_G
+        for (int p = 0; p < P; p += 2) {
+            _mm_storeu_ps(out + p * ostride, _mm256_castps256_ps128(acc8[p / 2]));
+            if (P > 1)
+                _mm_storeu_ps(out + (p + 1) * ostride, _mm256_extractf128_ps(acc8[p / 2], 1));
+        }
+    } else {
+        COLI_UNROLL_G
+        for (int p = 0; p < P; p++)
+            out[p * ostride] = acc1[p];
+    }
 }
 
-/* The same for two activation rows at once (a verify batch): row p's q1 / q2 at + p * qstep, its
- * xs / s at + p * sstep; out[4 * p + r] */
-COLI_AVX512 static inline void coli_rowdot2s_i4_x4x2_avx512(const uint8_t *w, long rb, const int8_t *q1,
-                                                            const float *xs1, const int32_t *s1,
-                                                            const int8_t *q2, const float *xs2,
-                                                            const int32_t *s2, int n, int block,
-                                                            long qstep, long sstep, float *out)
+/* nw rows x pc (1, 2 or 4) activation rows from p0: NW = 4 for four rows, else row by row */
+#define COLI_TILE_ROWS(K_, P_)                                                                     \
+    do {                                                                                           \
+        if (nw == 4)                                                                               \
+            coli_tile_k_avx512(w, rb, qp, qstride, xsp, sp, sstride, gp, gstride, n, block, o, nw, 4, P_, K_); \
+        else                                                                                       \
+            for (int r = 0; r < nw; r++)                                                           \
+                coli_tile_k_avx512(w + r * rb, rb, qp, qstride, xsp, sp, sstride, gp, gstride, n, block, o + r, nw, \
+                                   1, P_, K_);                                                     \
+    } while (0)
+#define COLI_TILE_PC(K_)                                                                           \
+    do {                                                                                           \
+        if (pc == 4)                                                                               \
+            COLI_TILE_ROWS(K_, 4);                                                                 \
+        else if (pc == 2)                                                                          \
+            COLI_TILE_ROWS(K_, 2);                                                                 \
+        else                                                                                       \
+            COLI_TILE_ROWS(K_, 1);                                                                 \
+    } while (0)
+
+COLI_AVX512 static inline void coli_rowdot_tile_avx512(const uint8_t *w, long rb, int nw, const int8_t *q,
+                                                       long qstride, const float *xs, const int32_t *s,
+                                                       long sstride, const uint8_t *xg, long gstride, int P,
+                                                       int n, int block, float *out, const int is4)
 {
-    coli_rowdot2s_x4_k_avx512(w, rb, q1, xs1, s1, q2, xs2, s2, n, block, qstep, sstep, out, 2, 1);
+    int blk = coli_block_len(n, block);
+    int K = !is4 ? COLI_TILE_I8 : (xg != NULL && (blk == n || blk % 128 == 0)) ? COLI_TILE_I4S : COLI_TILE_I4;
+    for (int p0 = 0; p0 < P;) {
+        int pc = P - p0 >= 4 ? 4 : P - p0 >= 2 ? 2 : 1;
+        const int8_t *qp = q + p0 * qstride;
+        const float *xsp = xs + p0 * sstride;
+        const int32_t *sp = s + p0 * sstride;
+        const uint8_t *gp = xg ? xg + p0 * gstride : NULL;
+        float *o = out + p0 * nw;
+        if (K == COLI_TILE_I4S)
+            COLI_TILE_PC(COLI_TILE_I4S);
+        else if (K == COLI_TILE_I4)
+            COLI_TILE_PC(COLI_TILE_I4);
+        else
+            COLI_TILE_PC(COLI_TILE_I8);
+        p0 += pc;
+    }
+}
+#undef COLI_TILE_PC
+#undef COLI_TILE_ROWS
+
+COLI_AVX512 static inline void coli_rowdot_i8_tile_avx512(const int8_t *w, long rb, int nw, const int8_t *q,
+                                                          long qstride, const float *xs, const int32_t *s,
+                                                          long sstride, const uint8_t *xg, long gstride, int P,
+                                                          int n, int block, float *out)
+{
+    if (s == NULL)
+        coli_rowdot_i8_tile_rowsg_avx512(w, rb, nw, q, qstride, xs, sstride, P, n, block, out);
+    else
+        coli_rowdot_tile_avx512((const uint8_t *)w, rb, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block,
+                                out, 0);
 }
 
-COLI_AVX512 static inline void coli_rowdot2s_i8_x4x2_avx512(const int8_t *w, long rb, const int8_t *q1,
-                                                            const float *xs1, const int32_t *s1,
-                                                            const int8_t *q2, const float *xs2,
-                                                            const int32_t *s2, int n, int block,
-                                                            long qstep, long sstep, float *out)
+COLI_AVX512 static inline void coli_rowdot_i4_tile_avx512(const uint8_t *w, long rb, int nw, const int8_t *q,
+                                                          long qstride, const float *xs, const int32_t *s,
+                                                          long sstride, const uint8_t *xg, long gstride, int P,
+                                                          int n, int block, float *out)
 {
-    coli_rowdot2s_x4_k_avx512((const uint8_t *)w, rb, q1, xs1, s1, q2, xs2, s2, n, block, qstep, sstep, out, 2, 0);
+    if (s == NULL)
+        coli_rowdot_i4_tile_rowsg_avx512(w, rb, nw, q, qstride, xs, sstride, P, n, block, out);
+    else
+        coli_rowdot_tile_avx512(w, rb, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block, out, 1);
 }
 #endif /* COLI_X86 */
 

@@ -11,6 +11,8 @@
  *   - the multi-activation row dots (coli_rowdot2_*, coli_rowdot_*_rows, R = 1..8, strides larger
  *     than n) must be bit-identical to the equivalent single-row calls, on the active ISA and on
  *     the scalar one, and must not write past out[R-1];
+ *   - the per-row-scale tiles (coli_rowdot_*_tile: 1..4 weight rows x 1..7 activation rows, with
+ *     and without block sums and split activations) must be bit-identical to the one-row calls;
  *   - the group-scaled row dots (coli_rowdotg_*, groups of 64/128/256 with a partial last group,
  *     any activation block) must be bit-identical to the scalar variant, close to a double
  *     reference of their definition, and their multi-row form (R = 1..8) and their tile form
@@ -547,6 +549,73 @@ static void check_tile(int isa, int n, int mode)
     }
 }
 
+/* The per-row-scale tile (coli_rowdot_*_tile): nw = 1..4 weight rows (rows rb apart, the last
+ * ending at a guard page) x P = 1..7 activation rows (their last row, scales, block sums and split
+ * form ending at guard pages), with and without the block sums and the split forms, for blocks
+ * covering the row, of 64, 128 and 192 inputs: each output bit-identical to the scalar one-row call. */
+static void check_rowtile(int isa, int n, int mode)
+{
+    enum { TP = 7 };
+    const int blocks[] = {0, 64, 128, 192};
+    long rb8 = n + 3, rb4 = (n + 1) / 2 + 5, qstride = n + 9, gstride = coli_split_len(n) + 64;
+    size_t len8 = 3 * rb8 + n, len4 = 3 * rb4 + (n + 1) / 2, qlen = (TP - 1) * qstride + n;
+    size_t glen = (TP - 1) * gstride + coli_split_len(n);
+    int8_t *w8 = galloc(len8), *q = galloc(qlen);
+    uint8_t *w4 = galloc(len4), *xg = galloc(glen);
+    fill_q(w8, len8, mode);
+    fill_q(q, qlen, mode);
+    if (mode == FILL_EXTREME_POS || mode == FILL_EXTREME_NEG)
+        for (size_t i = 0; i < len8; i++)
+            w8[i] = -128;
+    for (size_t i = 0; i < len4; i++)
+        w4[i] = mode == FILL_EXTREME_POS || mode == FILL_EXTREME_NEG ? 0x00 : (uint8_t)(rnd() & 0xFF);
+    for (int p = 0; p < TP; p++)
+        coli_split_q8_ref(q + p * qstride, n, xg + p * gstride);
+    for (size_t bi = 0; bi < sizeof blocks / sizeof blocks[0]; bi++) {
+        int blk = blocks[bi], bl = coli_block_len(n, blk), nbk = (n + bl - 1) / bl;
+        if (blk > 0 && blk >= n && bi > 0)
+            continue; /* the same as one block */
+        long sstride = nbk + 2;
+        size_t slen = (TP - 1) * sstride + nbk;
+        float *xs = galloc(sizeof(float) * slen), out[4 * TP + 1];
+        int32_t *sums = galloc(sizeof(int32_t) * slen);
+        for (size_t i = 0; i < slen; i++)
+            xs[i] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
+        for (int p = 0; p < TP; p++)
+            coli_block_sums(q + p * qstride, n, blk, sums + p * sstride);
+        for (int nw = 1; nw <= 4; nw++)
+            for (int P = 1; P <= TP; P++)
+                for (int t = 0; t < 5; t++) { /* int8, int8 with sums, int4, with sums, with sums + split */
+                    const int8_t *a8 = w8 + (3 - (nw - 1)) * rb8;
+                    const uint8_t *a4 = w4 + (3 - (nw - 1)) * rb4;
+                    const int8_t *aq = q + (TP - P) * qstride;
+                    const float *axs = xs + (TP - P) * sstride;
+                    const int32_t *as = (t == 1 || t >= 3) ? sums + (TP - P) * sstride : NULL;
+                    const uint8_t *ag = t == 4 ? xg + (TP - P) * gstride : NULL;
+                    for (int k = 0; k <= 4 * TP; k++)
+                        out[k] = -12345.0f;
+                    if (t < 2)
+                        coli_rowdot_i8_tile(a8, rb8, nw, aq, qstride, axs, as, sstride, NULL, 0, P, n, blk, out);
+                    else
+                        coli_rowdot_i4_tile(a4, rb4, nw, aq, qstride, axs, as, sstride, ag, gstride, P, n, blk, out);
+                    for (int p = 0; p < P; p++)
+                        for (int r = 0; r < nw; r++) {
+                            float want = t >= 2 ? coli_rowdot_i4_scalar(a4 + r * rb4, aq + p * qstride,
+                                                                        axs + p * sstride, n, blk)
+                                                : coli_rowdot_i8_scalar(a8 + r * rb8, aq + p * qstride,
+                                                                        axs + p * sstride, n, blk);
+                            CHECK(same_bits(out[p * nw + r], want), "rowdot_tile t=%d isa=%d n=%d block=%d nw=%d "
+                                  "P=%d r=%d p=%d got %.9g want %.9g", t, isa, n, blk, nw, P, r, p,
+                                  out[p * nw + r], want);
+                        }
+                    CHECK(out[P * nw] == -12345.0f, "rowdot_tile wrote past out t=%d isa=%d n=%d", t, isa, n);
+                }
+        gfree(xs, sizeof(float) * slen);
+        gfree(sums, sizeof(int32_t) * slen);
+    }
+    gfree(w8, len8); gfree(q, qlen); gfree(w4, len4); gfree(xg, glen);
+}
+
 #define ALL_R 0x1FE /* R = 1..8 */
 
 static void run_size(int isa, int n, int modes)
@@ -561,8 +630,10 @@ static void run_size(int isa, int n, int modes)
         /* a subset of sizes and fills: whole and partial groups and blocks, short rows, long rows */
         if (mode <= FILL_EXTREME_POS && (n % 64 == 0 || n % 64 == 36 || n % 64 == 1 || n < 8 || n > 300)) {
             check_grouped(isa, &b, mode);
-            if (n <= 16385)
+            if (n <= 16385) {
                 check_tile(isa, n, mode);
+                check_rowtile(isa, n, mode);
+            }
         }
     }
     bfree(&b);
