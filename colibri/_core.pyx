@@ -1525,9 +1525,12 @@ cdef class Model:
         matmuls read: attention's q_a, q_b, kv_a and o_proj, the indexer's projections, the dense MLP
         and shared expert, eh_proj and lm_head (unless it is the embedding). kv_b (whose rows the
         absorbed attention reads one by one) and the embedding keep the container's layout, and so
-        does everything when the float path runs (idot=0). COLIBRI_INTERLEAVE=0 keeps it everywhere
-        (A/B measurements; the results are the same bit for bit)."""
-        if self.idot == IDOT_FLOAT or os.environ.get("COLIBRI_INTERLEAVE", "1").strip() == "0":
+        does everything when the float path runs (idot=0) or the active ISA is not AVX-512 VNNI
+        (whose tiles read interleaved rows natively; the others read them piece by piece, correct but
+        slower). COLIBRI_INTERLEAVE=0 keeps it everywhere (A/B measurements; the results are the
+        same bit for bit)."""
+        if self.idot == IDOT_FLOAT or coli_isa_active() != COLI_ISA_AVX512VNNI or \
+                os.environ.get("COLIBRI_INTERLEAVE", "1").strip() == "0":
             return
         layers = list(self.layers) + ([self.mtp] if self.has_mtp else [])
         for L in layers:

@@ -126,15 +126,22 @@ def test_interleave_only_where_the_tiles_read():
 
 
 def test_model_interleaves_the_matmul_only_matrices(mixed, monkeypatch):
-    """A model lays out the resident matrices that only the integer matmuls read (not kv_b, not the
-    embedding, nothing on the float path), and decodes the same floats as with every matrix in the
-    container's layout (COLIBRI_INTERLEAVE=0)."""
+    """On AVX-512 VNNI a model lays out the resident matrices that only the integer matmuls read
+    (not kv_b, not the embedding, nothing on the float path or another ISA), and decodes the same
+    floats as with every matrix in the container's layout (COLIBRI_INTERLEAVE=0)."""
     path = mixed["dense4_expert8"]
+    isa0 = _core.isa_active()
+
+    def laid_out(m):
+        return [W.interleaved for L in m.layers for W in (L.q_a, L.o_proj, L.gate)]
+    try:
+        assert not any(laid_out(model_init(path, idot=0)))
+        assert not any(laid_out(model_init(path, isa="avx2" if "avx2" in ISAS else "scalar")))
+    finally:
+        _core.select_isa(isa0)
     m = model_init(path)
-    L = m.layers[0]
-    assert L.q_a.interleaved and L.o_proj.interleaved and L.gate.interleaved
-    assert not L.kv_b.interleaved and not m.embed.interleaved
-    assert not any(W.interleaved for L0 in model_init(path, idot=0).layers for W in (L0.q_a, L0.o_proj, L0.gate))
+    assert all(laid_out(m)) == (isa0 == "avx512vnni")
+    assert not m.layers[0].kv_b.interleaved and not m.embed.interleaved
     out = [_decode(path, _core.isa_active(), 2, fused=True)]
     monkeypatch.setenv("COLIBRI_INTERLEAVE", "0")
     m0 = model_init(path)
