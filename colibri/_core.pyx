@@ -67,12 +67,14 @@ cdef extern from "coli_kernels.h" nogil:
     void coli_dots_q4f32(const float *x, int n, const uint8_t *w, long rb, int nrows, float *out)
     void coli_axpy_rows_q8f32(float *y, int n, const float *c, const int8_t *w, long rb, int nrows)
     void coli_axpy_rows_q4f32(float *y, int n, const float *c, const uint8_t *w, long rb, int nrows)
-    void coli_rowdot_i8_tile(const int8_t *w, long rb, int nw, const int8_t *q, long qstride, const float *xs,
-                             const int32_t *s, long sstride, const uint8_t *xg, long gstride, int P, int n,
-                             int block, float *out)
-    void coli_rowdot_i4_tile(const uint8_t *w, long rb, int nw, const int8_t *q, long qstride, const float *xs,
-                             const int32_t *s, long sstride, const uint8_t *xg, long gstride, int P, int n,
-                             int block, float *out)
+    void coli_rowdot_i8_tile(const int8_t *w, long rb, int ilv, int r0, int nw, const int8_t *q, long qstride,
+                             const float *xs, const int32_t *s, long sstride, const uint8_t *xg, long gstride,
+                             int P, int n, int block, float *out)
+    void coli_rowdot_i4_tile(const uint8_t *w, long rb, int ilv, int r0, int nw, const int8_t *q, long qstride,
+                             const float *xs, const int32_t *s, long sstride, const uint8_t *xg, long gstride,
+                             int P, int n, int block, float *out)
+    void coli_ilv_pack_inplace(uint8_t *w, long O, long rb, uint8_t *tmp)
+    void coli_ilv_unpack(const uint8_t *src, uint8_t *dst, long O, long rb)
     float coli_rowdotg_i8(const int8_t *w, const float *ws, int gs, const int8_t *q, const float *xs, int n,
                           int block)
     float coli_rowdotg_i4(const uint8_t *w, const float *ws, int gs, const int8_t *q, const float *xs, int n,
@@ -125,6 +127,7 @@ cdef struct QTc:
     const float *s     # [O, G] scales: one per row (G = 1), or one per group of gs inputs
     int gs             # group size of the scales: 0 = one scale per row (int8 / int4 only when > 0)
     int G              # scales per row: 1, or ceil(I / gs)
+    int ilv            # 1: the rows' groups of four interleaved (coli_ilv_pack; only the tiles read them)
 
 
 def fmt_from_nbytes(Py_ssize_t nbytes, int O, int I):
@@ -162,6 +165,7 @@ cdef class QT:
         t.c.s = NULL
         t.c.gs = 0
         t.c.G = 1
+        t.c.ilv = 0
         return t
 
     @staticmethod
@@ -191,7 +195,41 @@ cdef class QT:
         t.c.s = &sv[0]
         t.c.gs = gs
         t.c.G = _quant.n_groups(I, gs)
+        t.c.ilv = 0
         return t
+
+    def interleave(self):
+        """Lay the rows out for the integer matmul tiles, in place: each group of four rows
+        interleaved in 64-byte chunks (coli_rows4.h), so a tile reads one ascending stream. Only for
+        a matrix that nothing but the integer matmuls reads (not an embedding, not kv_b of the
+        absorbed attention); int8 / int4 with one scale per row, else nothing changes. Returns
+        whether the layout changed."""
+        if self.c.ilv or self.c.gs > 0 or self.c.fmt not in (FMT_I8, FMT_I4) or self.c.O < 4:
+            return False
+        cdef uint8_t[::1] tmp = np.empty(4 * self.c.rb, np.uint8)
+        cdef uint8_t[::1] pv = self.data
+        coli_ilv_pack_inplace(&pv[0], self.c.O, self.c.rb, &tmp[0])
+        self.c.ilv = 1
+        return True
+
+    @property
+    def interleaved(self):
+        """Whether the rows are laid out for the tiles (interleave)."""
+        return bool(self.c.ilv)
+
+    def payload(self):
+        """The packed rows in the container's layout (a copy when interleaved)."""
+        if not self.c.ilv:
+            return self.data
+        out = np.empty_like(self.data)
+        cdef uint8_t[::1] src = self.data
+        cdef uint8_t[::1] dst = out
+        coli_ilv_unpack(&src[0], &dst[0], self.c.O, self.c.rb)
+        return out
+
+    def _plain(self, what):
+        if self.c.ilv:
+            raise ValueError(f"{what}: the rows are interleaved for the integer matmul tiles (interleave)")
 
     @property
     def fmt(self):
@@ -217,7 +255,7 @@ cdef class QT:
         """f32 copy of the weights [O, I] (tests, tools)."""
         if self.c.fmt == FMT_F32:
             return np.array(self.data, copy=True)
-        return _quant.dequantize(self.data, self.scale, self.c.O, self.c.I)
+        return _quant.dequantize(self.payload(), self.scale, self.c.O, self.c.I)
 
     def _rows(self, int row0, int nrows):
         if nrows < 1 or row0 < 0 or row0 + nrows > self.c.O:
@@ -229,6 +267,7 @@ cdef class QT:
         cdef float[::1] cv = np.ascontiguousarray(c, dtype=np.float32)
         cdef float[::1] av = np.array(acc, dtype=np.float32)
         cdef int r, n = cv.shape[0]
+        self._plain("addrows")
         self._rows(row0, n)
         if av.shape[0] != self.c.I:
             raise ValueError(f"acc has {av.shape[0]} values, W has {self.c.I} inputs")
@@ -243,6 +282,7 @@ cdef class QT:
     def rowdots(self, int row0, int nrows, x):
         """[W[row0 + r, :] · x for r < nrows] through qt_rowdots_f (float path, tests)."""
         cdef float[::1] xv = np.ascontiguousarray(x, dtype=np.float32)
+        self._plain("rowdots")
         self._rows(row0, nrows)
         if xv.shape[0] != self.c.I:
             raise ValueError(f"x has {xv.shape[0]} values, W has {self.c.I} inputs")
@@ -530,7 +570,8 @@ cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const flo
                          int idot, float *y, const int32_t *xsum=NULL) noexcept nogil:
     """Output column o of an integer-path matmul for all S activation rows: y[s, o].
     Several activation rows share each pass over the weight row (coli_rowdot_*_rows); every row's
-    value is bit-identical to a single-row call, so results never depend on S."""
+    value is bit-identical to a single-row call, so results never depend on S. A row of an
+    interleaved group is read by the tile, one row a call."""
     cdef float r1[8]
     cdef float r2[8]
     cdef int s0, R, r, I = W.I, O = W.O
@@ -538,6 +579,9 @@ cdef inline void int_row(const QTc *W, int o, int S, const int8_t *xq, const flo
     cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb
     if W.gs > 0:
         int_row_g(W, o, S, xq, xs, nb, blk, idot, y)
+        return
+    if ilv_group(W, o - o % GROUP_ROWS):       # a row of an interleaved group: the tile on it alone
+        tile_cols(W, o - o % GROUP_ROWS, 1, o % GROUP_ROWS, 1, S, xq, xs, nb, blk, idot, y, xsum, NULL, 0)
         return
     if S == 1:
         if W.fmt == FMT_I8:
@@ -573,34 +617,69 @@ cdef inline int n_groups(int O) noexcept nogil:
     return (O + GROUP_ROWS - 1) // GROUP_ROWS
 
 
-cdef inline void row_tile(const QTc *W, const uint8_t *row, int nw, const int8_t *q, Py_ssize_t qstride,
-                          const float *xs, const int32_t *m, Py_ssize_t sstride, const uint8_t *xg,
-                          Py_ssize_t gstride, int P, int blk, float *out) noexcept nogil:
-    """out[p·nw + r] = the row dot (without W's row scale) of weight row r of the nw rows at row and
-    activation row p < P (q + p·qstride; scales, block sums m at + p·sstride; split form xg +
-    p·gstride): coli_rowdot_*_tile, bit-identical to coli_rowdot_* per output."""
+cdef inline void row_tile(const QTc *W, const uint8_t *rows, int ilv, int r0, int nw, const int8_t *q,
+                          Py_ssize_t qstride, const float *xs, const int32_t *m, Py_ssize_t sstride,
+                          const uint8_t *xg, Py_ssize_t gstride, int P, int blk, float *out) noexcept nogil:
+    """out[p·nw + r] = the row dot (without W's row scale) of weight row r0 + r of the rows at rows
+    (plain, or a group of four interleaved: ilv) and activation row p < P (q + p·qstride; scales,
+    block sums m at + p·sstride; split form xg + p·gstride): coli_rowdot_*_tile, bit-identical to
+    coli_rowdot_* per output."""
     if W.fmt == FMT_I8:
-        coli_rowdot_i8_tile(<const int8_t *>row, W.rb, nw, q, qstride, xs, m, sstride, NULL, 0, P, W.I, blk, out)
+        coli_rowdot_i8_tile(<const int8_t *>rows, W.rb, ilv, r0, nw, q, qstride, xs, m, sstride, NULL, 0, P, W.I,
+                            blk, out)
     else:
-        coli_rowdot_i4_tile(row, W.rb, nw, q, qstride, xs, m, sstride, xg, gstride, P, W.I, blk, out)
+        coli_rowdot_i4_tile(rows, W.rb, ilv, r0, nw, q, qstride, xs, m, sstride, xg, gstride, P, W.I, blk, out)
+
+
+cdef inline void tile_cols(const QTc *W, int o0, int ilv, int r0, int nw, int S, const int8_t *xq,
+                           const float *xs, int nb, int blk, int idot, float *y, const int32_t *xsum,
+                           const uint8_t *xg, Py_ssize_t gstride) noexcept nogil:
+    """Output columns o0 + r0 .. o0 + r0 + nw - 1 of an integer-path matmul for all S activation
+    rows, through the tiles: rows o0 + r0 .. of the plain rows from o0, or of the interleaved group
+    at o0 (ilv). Up to four activation rows a call; decode with idot=2: q1 and its residual q2 in
+    one call (one pass over the weights)."""
+    cdef float t1[GROUP_ROWS * 4]
+    cdef float t2[GROUP_ROWS * 4]
+    cdef int r, s0, p, P, I = W.I, O = W.O, o = o0 + r0
+    cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb, goff2 = <Py_ssize_t>S * gstride
+    cdef const uint8_t *rows = W.q + <Py_ssize_t>o0 * W.rb
+    if S == 1 and idot == IDOT_Q8X2:
+        row_tile(W, rows, ilv, r0, nw, xq, off2, xs, xsum, soff2, xg, goff2, 2, blk, t1)
+        for r in range(nw):
+            y[o + r] = (t1[r] + t1[nw + r]) * W.s[o + r]
+        return
+    for s0 in range(0, S, 4):
+        P = S - s0 if S - s0 < 4 else 4
+        row_tile(W, rows, ilv, r0, nw, xq + <Py_ssize_t>s0 * I, I, xs + <Py_ssize_t>s0 * nb,
+                 (xsum + <Py_ssize_t>s0 * nb) if xsum != NULL else NULL, nb,
+                 (xg + s0 * gstride) if xg != NULL else NULL, gstride, P, blk, t1)
+        if idot == IDOT_Q8X2:       # the residual rows
+            row_tile(W, rows, ilv, r0, nw, xq + off2 + <Py_ssize_t>s0 * I, I, xs + soff2 + <Py_ssize_t>s0 * nb,
+                     (xsum + soff2 + <Py_ssize_t>s0 * nb) if xsum != NULL else NULL, nb,
+                     (xg + goff2 + s0 * gstride) if xg != NULL else NULL, gstride, P, blk, t2)
+        for p in range(P):
+            for r in range(nw):
+                y[<Py_ssize_t>(s0 + p) * O + o + r] = ((t1[p * nw + r] + t2[p * nw + r]) if idot == IDOT_Q8X2
+                                                       else t1[p * nw + r]) * W.s[o + r]
+
+
+cdef inline bint ilv_group(const QTc *W, int o0) noexcept nogil:
+    """Whether the group of rows from o0 is interleaved (a whole group of an interleaved W)."""
+    return W.ilv and o0 + GROUP_ROWS <= W.O
 
 
 cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const float *xs, int nb, int blk,
                            int idot, float *y, const int32_t *xsum=NULL, const uint8_t *xg=NULL,
                            Py_ssize_t gstride=0) noexcept nogil:
     """Output columns GROUP_ROWS·grp .. (the group's rows < W.O) of an integer-path matmul for all
-    S activation rows, prefetching the weights PREFETCH_GROUPS groups ahead. The tile kernels take
-    the group's weight rows against up to four activation rows at a time (decode with idot=2: q1
-    and its residual q2 in one call, one pass over the weights), with the activations' block sums
-    xsum and split forms xg when given (row p of xq at xg + p·gstride); bit-identical to int_row
-    per column, which GROUP_KERNELS=0 takes. Group-scaled matrices take int_group_g."""
-    cdef float t1[GROUP_ROWS * 4]
-    cdef float t2[GROUP_ROWS * 4]
-    cdef int o0 = grp * GROUP_ROWS, r, s0, p, P, ahead = o0 + PREFETCH_GROUPS * GROUP_ROWS, I = W.I, O = W.O
+    S activation rows: the tiles (tile_cols) on the group's weight rows, with the activations'
+    block sums xsum and split forms xg when given (row p of xq at xg + p·gstride); bit-identical to
+    int_row per column, which GROUP_KERNELS=0 takes. Plain rows are prefetched PREFETCH_GROUPS
+    groups ahead; interleaved ones are one ascending stream, which the hardware prefetcher
+    follows. Group-scaled matrices take int_group_g."""
+    cdef int o0 = grp * GROUP_ROWS, r, ahead = o0 + PREFETCH_GROUPS * GROUP_ROWS, O = W.O
     cdef int n = O - o0 if O - o0 < GROUP_ROWS else GROUP_ROWS
-    cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb, goff2 = <Py_ssize_t>S * gstride
-    cdef const uint8_t *row = W.q + <Py_ssize_t>o0 * W.rb
-    if PREFETCH_GROUPS > 0 and ahead < O:
+    if PREFETCH_GROUPS > 0 and ahead < O and not W.ilv:
         coli_prefetch_row(W.q + <Py_ssize_t>ahead * W.rb,
                           (GROUP_ROWS if O - ahead > GROUP_ROWS else O - ahead) * W.rb)
         if W.gs > 0:        # and the group scales of those rows
@@ -613,27 +692,8 @@ cdef inline void int_group(const QTc *W, int grp, int S, const int8_t *xq, const
         for r in range(n):
             int_row(W, o0 + r, S, xq, xs, nb, blk, idot, y, xsum)
         return
-    if xg != NULL and not wants_split(W, nb):
-        xg = NULL
-    if S == 1 and idot == IDOT_Q8X2:
-        # decode: q1 and its residual q2 are the tile's two activation rows
-        row_tile(W, row, n, xq, off2, xs, xsum, soff2, xg, goff2, 2, blk, t1)
-        for r in range(n):
-            y[o0 + r] = (t1[r] + t1[n + r]) * W.s[o0 + r]
-        return
-    for s0 in range(0, S, 4):
-        P = S - s0 if S - s0 < 4 else 4
-        row_tile(W, row, n, xq + <Py_ssize_t>s0 * I, I, xs + <Py_ssize_t>s0 * nb,
-                 (xsum + <Py_ssize_t>s0 * nb) if xsum != NULL else NULL, nb,
-                 (xg + s0 * gstride) if xg != NULL else NULL, gstride, P, blk, t1)
-        if idot == IDOT_Q8X2:       # the residual rows
-            row_tile(W, row, n, xq + off2 + <Py_ssize_t>s0 * I, I, xs + soff2 + <Py_ssize_t>s0 * nb,
-                     (xsum + soff2 + <Py_ssize_t>s0 * nb) if xsum != NULL else NULL, nb,
-                     (xg + goff2 + s0 * gstride) if xg != NULL else NULL, gstride, P, blk, t2)
-        for p in range(P):
-            for r in range(n):
-                y[<Py_ssize_t>(s0 + p) * O + o0 + r] = ((t1[p * n + r] + t2[p * n + r]) if idot == IDOT_Q8X2
-                                                        else t1[p * n + r]) * W.s[o0 + r]
+    tile_cols(W, o0, ilv_group(W, o0), 0, n, S, xq, xs, nb, blk, idot, y, xsum,
+              xg if xg != NULL and wants_split(W, nb) else NULL, gstride)
 
 
 cdef inline void quant_row(const float *x, int n, int blk, int idot, int8_t *q1, float *s1,
@@ -1228,6 +1288,8 @@ def matmul(QT W, x, int block=0, int idot=IDOT_Q8X2):
     S = x.shape[0]
     y = np.empty((S, W.c.O), np.float32)
     check_idot(idot)
+    if idot == IDOT_FLOAT:
+        W._plain("matmul with idot=0")
     xq = np.empty(2 * S * W.c.I, np.int8)
     xs = np.empty(2 * S * act_nblocks(W.c.I, block), np.float32)
     xr = np.empty(W.c.I, np.float32)
@@ -1477,6 +1539,28 @@ cdef class Model:
             return W
         w = st.read_f32(name)
         return self._qt_from_float(w, name, O, I, bits)
+
+    def _interleave_resident(self):
+        """Lay out for the matmul tiles (QT.interleave) the resident matrices that only the integer
+        matmuls read: attention's q_a, q_b, kv_a and o_proj, the indexer's projections, the dense MLP
+        and shared expert, eh_proj and lm_head (unless it is the embedding). kv_b (whose rows the
+        absorbed attention reads one by one) and the embedding keep the container's layout, and so
+        does everything when the float path runs (idot=0) or the active ISA is not AVX-512 VNNI
+        (whose tiles read interleaved rows natively; the others read them piece by piece, correct but
+        slower). COLIBRI_INTERLEAVE=0 keeps it everywhere (A/B measurements; the results are the
+        same bit for bit)."""
+        if self.idot == IDOT_FLOAT or coli_isa_active() != COLI_ISA_AVX512VNNI or \
+                os.environ.get("COLIBRI_INTERLEAVE", "1").strip() == "0":
+            return
+        layers = list(self.layers) + ([self.mtp] if self.has_mtp else [])
+        for L in layers:
+            for W in (L.q_a, L.q_b, L.kv_a, L.o_proj, L.iwq, L.iwk, L.iwp, L.gate, L.up, L.down):
+                if W is not None:
+                    W.interleave()
+        if self.lm_head is not self.embed:
+            self.lm_head.interleave()
+        if self.has_mtp and self.eh_proj is not None:
+            self.eh_proj.interleave()
 
     def _note_groups(self, QT W):
         if W.c.gs > 0 and W.c.fmt == FMT_I4:
@@ -3713,6 +3797,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.has_mtp = bool(mtp) and _has_mtp_tensors(m.st, cfg.n_layers)
     if m.has_mtp:
         _load_mtp(m)
+    m._interleave_resident()
     m.direct = direct
     m._direct_fds = {}
     m._expert_layouts = {}

@@ -54,12 +54,12 @@ typedef struct coli_kernel_table {
                            long sstride, int R, int n, int block, float *out);
     float (*rowdot2s_i4)(const uint8_t *w_packed, const int8_t *q1, const float *xs1, const int32_t *s1,
                          const int8_t *q2, const float *xs2, const int32_t *s2, int n, int block);
-    void (*rowdot_i8_tile)(const int8_t *w, long rb, int nw, const int8_t *q, long qstride, const float *xs,
-                           const int32_t *s, long sstride, const uint8_t *xg, long gstride, int P, int n,
-                           int block, float *out);
-    void (*rowdot_i4_tile)(const uint8_t *w_packed, long rb, int nw, const int8_t *q, long qstride,
-                           const float *xs, const int32_t *s, long sstride, const uint8_t *xg, long gstride,
-                           int P, int n, int block, float *out);
+    void (*rowdot_i8_tile)(const int8_t *w, long rb, int ilv, int r0, int nw, const int8_t *q, long qstride,
+                           const float *xs, const int32_t *s, long sstride, const uint8_t *xg, long gstride, int P,
+                           int n, int block, float *out);
+    void (*rowdot_i4_tile)(const uint8_t *w_packed, long rb, int ilv, int r0, int nw, const int8_t *q,
+                           long qstride, const float *xs, const int32_t *s, long sstride, const uint8_t *xg,
+                           long gstride, int P, int n, int block, float *out);
     void (*axpy_f32)(float *y, float c, const float *x, int n);
     void (*axpy_q8f32)(float *y, float c, const int8_t *w, int n);
     void (*axpy_q4f32)(float *y, float c, const uint8_t *w_packed, int n);
@@ -215,24 +215,25 @@ static inline float coli_rowdot2s_i4(const uint8_t *w_packed, const int8_t *q1, 
 }
 
 /* The tile of the per-row-scale integer matmuls (coli_rows4.h), the decode matmuls' unit of work:
- * nw (1..4) consecutive weight rows (row r at w + r*rb bytes) against P >= 1 Q8 activation rows
- * (row p at q + p*qstride; its block scales and block sums at xs / s + p*sstride, its split form at
- * xg + p*gstride; s and xg may be NULL):
- *   out[p*nw + r] = coli_rowdot_i8 / coli_rowdot_i4(w + r*rb, q + p*qstride, xs + p*sstride, n, block)
+ * nw (1..4) weight rows - rows r0 .. r0 + nw - 1 of the plain rows at w (ilv = 0: row k at w + k*rb)
+ * or of the group of four interleaved rows at w (ilv = 1, coli_ilv_pack) - against P >= 1 Q8
+ * activation rows (row p at q + p*qstride; its block scales and block sums at xs / s + p*sstride,
+ * its split form at xg + p*gstride; s and xg may be NULL):
+ *   out[p*nw + r] = coli_rowdot_i8 / coli_rowdot_i4(row r0 + r, q + p*qstride, xs + p*sstride, n, block)
  * bit-identical. The idot=2 pair (q1, its residual q2) is two activation rows; with the block sums
  * (and, for int4, the split forms) the AVX-512 tile needs one vpdpbusd per 64 weights and row. */
-static inline void coli_rowdot_i8_tile(const int8_t *w, long rb, int nw, const int8_t *q, long qstride,
-                                       const float *xs, const int32_t *s, long sstride, const uint8_t *xg,
-                                       long gstride, int P, int n, int block, float *out)
+static inline void coli_rowdot_i8_tile(const int8_t *w, long rb, int ilv, int r0, int nw, const int8_t *q,
+                                       long qstride, const float *xs, const int32_t *s, long sstride,
+                                       const uint8_t *xg, long gstride, int P, int n, int block, float *out)
 {
-    coli_kt.rowdot_i8_tile(w, rb, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block, out);
+    coli_kt.rowdot_i8_tile(w, rb, ilv, r0, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block, out);
 }
 
-static inline void coli_rowdot_i4_tile(const uint8_t *w_packed, long rb, int nw, const int8_t *q, long qstride,
-                                       const float *xs, const int32_t *s, long sstride, const uint8_t *xg,
-                                       long gstride, int P, int n, int block, float *out)
+static inline void coli_rowdot_i4_tile(const uint8_t *w_packed, long rb, int ilv, int r0, int nw, const int8_t *q,
+                                       long qstride, const float *xs, const int32_t *s, long sstride,
+                                       const uint8_t *xg, long gstride, int P, int n, int block, float *out)
 {
-    coli_kt.rowdot_i4_tile(w_packed, rb, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block, out);
+    coli_kt.rowdot_i4_tile(w_packed, rb, ilv, r0, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block, out);
 }
 
 /* y[i] += c * x[i] (x float / int8 / packed int4 - 8), element by element, bit-identical across

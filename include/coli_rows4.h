@@ -1,18 +1,30 @@
 /* Tiles of the per-row-scale integer matmuls: the decode matmuls' unit of work.
  *
- *   coli_rowdot_<kind>_tile_<isa>(w, rb, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block, out)
- *       out[p*nw + r] = coli_rowdot_<kind>_<isa>(w + r*rb, q + p*qstride, xs + p*sstride, n, block)
- *   for nw (1..4) consecutive weight rows (int8, kind i8, or packed int4, kind i4: row r at w + r*rb
- *   bytes) and P >= 1 Q8 activation rows: row p at q + p*qstride, its block scales at xs + p*sstride,
- *   its block sums (s[b] = the sum of q over block b, int32; coli_block_sums) at s + p*sstride, its
- *   split form (coli_split.h) at xg + p*gstride. s and xg may be NULL (not known); out must not
- *   alias the inputs.
+ *   coli_rowdot_<kind>_tile_<isa>(w, rb, ilv, r0, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block, out)
+ *       out[p*nw + r] = coli_rowdot_<kind>(weight row r0 + r, q + p*qstride, xs + p*sstride, n, block)
+ *   for nw (1..4) weight rows of rb bytes (int8, kind i8, or packed int4, kind i4) and P >= 1 Q8
+ *   activation rows: row p at q + p*qstride, its block scales at xs + p*sstride, its block sums
+ *   (s[b] = the sum of q over block b, int32; coli_block_sums) at s + p*sstride, its split form
+ *   (coli_split.h) at xg + p*gstride. s and xg may be NULL (not known); out must not alias the
+ *   inputs. ilv = 0: row k at w + k*rb (the container's layout); ilv = 1: w is a group of four rows
+ *   in the interleaved layout below, of which the tile takes rows r0 .. r0 + nw - 1 (r0 + nw <= 4).
+ *
+ * The interleaved layout ("ilv", made at load time for the matrices only these tiles read):
+ * each group of four consecutive rows (4*rb bytes, where the plain rows would be) holds the rows'
+ * whole 64-byte chunks in turn - chunk c of row r at c*256 + r*64 - then the rows' last
+ * t = rb mod 64 bytes in turn (row r's at 4*(rb - t) + r*t). The rows past the last whole group
+ * stay as they are. A tile of four rows then reads one ascending stream of memory, which the
+ * hardware prefetcher follows at the full read bandwidth, instead of four streams rb bytes apart
+ * that it follows at about half (and that software prefetching recovers only in part); inside a
+ * chunk the bytes are the container's, so every kernel decodes them as before.
  *
  * Bit-identical to the one-row kernels per output (the same exact block integers, then per
  * activation row xs[b] * (float)dot_b added block by block in order through coli_block_acc), hence
- * to every ISA. The scalar tile is that definition, one row dot per output; AVX2 takes the
- * multi-activation row dots (coli_rowsg_*: each weight row read once for up to four activation
- * rows).
+ * to every ISA. The scalar tile is that definition: plain rows through coli_rowdot_*_scalar, the
+ * interleaved ones piece by piece (coli_dot_*_scalar over each contiguous piece of a block, the
+ * pieces' exact integers summed). AVX2 takes the multi-activation row dots (coli_rowsg_*: each
+ * weight row read once for up to four activation rows) on plain rows, its integer dots piece by
+ * piece on interleaved ones.
  *
  * AVX-512 VNNI loads the activations once for the nw weight rows and decodes each weight vector once
  * for the P activation rows. vpdpbusd wants its first operand unsigned: int8 weights become
@@ -24,28 +36,155 @@
  * odd ones ((byte >> 4) & 15) in two ands and a shift, against the split form's even and odd
  * activations; int4 without it widens the nibbles to bytes (coli_i4x64_unpack_avx512), three
  * instructions per 64 weights including a cross-lane one. Without the block sums the tile takes the
- * multi-activation row dots.
+ * multi-activation row dots (plain rows) or the pieces (interleaved).
  */
 #ifndef COLI_ROWS4_H
 #define COLI_ROWS4_H
 
+#include <string.h>
 #include "coli_dot_i8.h"
 #include "coli_dot_i4.h"
 #include "coli_split.h"
 
+/* ================================== the interleaved layout ================================== */
+
+#define COLI_ILV_CHUNK 64 /* bytes of a row per turn */
+
+/* Where the weight rows of a tile lie: row r's bytes b < full (whole chunks) at
+ * w + (b / 64)*cs + b % 64 + r*rs, its bytes b >= full at tw + (b - full) + r*ts. Plain rows:
+ * cs = 64, rs = ts = rb (so the bytes of row r are w + r*rb + b); interleaved: cs = 256, rs = 64,
+ * ts = rb - full. */
+typedef struct {
+    const uint8_t *w, *tw;
+    long rs, cs, ts, full;
+} coli_rows_view;
+
+static inline coli_rows_view coli_rows_at(const uint8_t *w, long rb, int ilv, int r0)
+{
+    coli_rows_view v;
+    v.full = rb / COLI_ILV_CHUNK * COLI_ILV_CHUNK;
+    if (ilv) {
+        long t = rb - v.full;
+        v.rs = COLI_ILV_CHUNK;
+        v.cs = 4 * COLI_ILV_CHUNK;
+        v.ts = t;
+        v.w = w + r0 * v.rs;
+        v.tw = w + 4 * v.full + r0 * t;
+    } else {
+        v.rs = v.ts = rb;
+        v.cs = COLI_ILV_CHUNK;
+        v.w = w + r0 * rb;
+        v.tw = v.w + v.full;
+    }
+    return v;
+}
+
+/* the address of byte b of row r of a view */
+static inline const uint8_t *coli_rows_byte(const coli_rows_view *v, int r, long b)
+{
+    if (b < v->full)
+        return v->w + (b / COLI_ILV_CHUNK) * v->cs + b % COLI_ILV_CHUNK + r * v->rs;
+    return v->tw + (b - v->full) + r * v->ts;
+}
+
+/* The interleaved copy of O plain rows of rb bytes: src -> dst (not overlapping) */
+static inline void coli_ilv_pack(const uint8_t *src, uint8_t *dst, long O, long rb)
+{
+    long full = rb / COLI_ILV_CHUNK * COLI_ILV_CHUNK, g = 0;
+    for (; 4 * g + 4 <= O; g++) {
+        coli_rows_view v = coli_rows_at(dst + 4 * g * rb, rb, 1, 0);
+        for (int r = 0; r < 4; r++) {
+            const uint8_t *row = src + (4 * g + r) * rb;
+            for (long b = 0; b < full; b += COLI_ILV_CHUNK)
+                memcpy((uint8_t *)coli_rows_byte(&v, r, b), row + b, COLI_ILV_CHUNK);
+            if (rb > full)
+                memcpy((uint8_t *)coli_rows_byte(&v, r, full), row + full, (size_t)(rb - full));
+        }
+    }
+    memcpy(dst + 4 * g * rb, src + 4 * g * rb, (size_t)((O - 4 * g) * rb));
+}
+
+/* ... and back: the plain rows of an interleaved payload */
+static inline void coli_ilv_unpack(const uint8_t *src, uint8_t *dst, long O, long rb)
+{
+    long full = rb / COLI_ILV_CHUNK * COLI_ILV_CHUNK, g = 0;
+    for (; 4 * g + 4 <= O; g++) {
+        coli_rows_view v = coli_rows_at(src + 4 * g * rb, rb, 1, 0);
+        for (int r = 0; r < 4; r++) {
+            uint8_t *row = dst + (4 * g + r) * rb;
+            for (long b = 0; b < full; b += COLI_ILV_CHUNK)
+                memcpy(row + b, coli_rows_byte(&v, r, b), COLI_ILV_CHUNK);
+            if (rb > full)
+                memcpy(row + full, coli_rows_byte(&v, r, full), (size_t)(rb - full));
+        }
+    }
+    memcpy(dst + 4 * g * rb, src + 4 * g * rb, (size_t)((O - 4 * g) * rb));
+}
+
+/* in place, one group at a time through tmp (4*rb bytes) */
+static inline void coli_ilv_pack_inplace(uint8_t *w, long O, long rb, uint8_t *tmp)
+{
+    for (long g = 0; 4 * g + 4 <= O; g++) {
+        memcpy(tmp, w + 4 * g * rb, (size_t)(4 * rb));
+        coli_ilv_pack(tmp, w + 4 * g * rb, 4, rb);
+    }
+}
+
+/* The tile piece by piece on any ISA, with its one-row integer dot `dot` (exact): per block and
+ * output, the block's integers summed over its pieces (each within a chunk or the rows' tails, so
+ * contiguous in memory), then its float term as coli_rowdot_* adds it. WSH: log2 of the inputs per
+ * byte (0: int8, 1: int4). */
+#define COLI_TILE_PIECES(kind, WT, sfx, ATTR, WSH)                                                 \
+    ATTR static inline void coli_rowdot_##kind##_tile_pieces_##sfx(const coli_rows_view *v, int nw, \
+                                                                   const int8_t *q, long qstride,  \
+                                                                   const float *xs, long sstride,  \
+                                                                   int P, int n, int block,        \
+                                                                   float *out)                     \
+    {                                                                                              \
+        block = coli_block_len(n, block);                                                          \
+        for (int p = 0; p < P; p++)                                                                \
+            for (int r = 0; r < nw; r++) {                                                         \
+                const int8_t *x = q + p * qstride;                                                 \
+                float acc = 0.0f;                                                                  \
+                for (int i = 0, b = 0; i < n; i += block, b++) {                                   \
+                    int end = n - i < block ? n : i + block;                                       \
+                    int32_t d = 0;                                                                 \
+                    for (int e = i; e < end;) {                                                    \
+                        long at = (long)e >> (WSH);                                                \
+                        /* inputs to the end of this chunk, or of the row */                       \
+                        int len = at < v->full ? (int)((COLI_ILV_CHUNK - at % COLI_ILV_CHUNK) << (WSH)) : end - e; \
+                        len = len < end - e ? len : end - e;                                       \
+                        d += coli_dot_##kind##i8_##sfx((const WT *)coli_rows_byte(v, r, at), x + e, len); \
+                        e += len;                                                                  \
+                    }                                                                              \
+                    acc = coli_block_acc(acc, xs[p * sstride + b], d);                             \
+                }                                                                                  \
+                out[p * nw + r] = acc;                                                             \
+            }                                                                                      \
+    }
+
 /* ================================ scalar (the definition) ================================ */
 
+COLI_TILE_PIECES(i8, int8_t, scalar, , 0)
+COLI_TILE_PIECES(i4, uint8_t, scalar, , 1)
+
 #define COLI_TILE_SCALAR(kind, WT)                                                                 \
-    static inline void coli_rowdot_##kind##_tile_scalar(const WT *w, long rb, int nw, const int8_t *q, \
-                                                        long qstride, const float *xs,             \
-                                                        const int32_t *s, long sstride,            \
-                                                        const uint8_t *xg, long gstride, int P,    \
-                                                        int n, int block, float *out)              \
+    static inline void coli_rowdot_##kind##_tile_scalar(const WT *w, long rb, int ilv, int r0, int nw, \
+                                                        const int8_t *q, long qstride,             \
+                                                        const float *xs, const int32_t *s,         \
+                                                        long sstride, const uint8_t *xg,           \
+                                                        long gstride, int P, int n, int block,     \
+                                                        float *out)                                \
     {                                                                                              \
         (void)s; (void)xg; (void)gstride;                                                          \
+        if (ilv) {                                                                                 \
+            coli_rows_view v = coli_rows_at((const uint8_t *)w, rb, ilv, r0);                      \
+            coli_rowdot_##kind##_tile_pieces_scalar(&v, nw, q, qstride, xs, sstride, P, n, block, out); \
+            return;                                                                                \
+        }                                                                                          \
         for (int p = 0; p < P; p++)                                                                \
             for (int r = 0; r < nw; r++)                                                           \
-                out[p * nw + r] = coli_rowdot_##kind##_scalar(w + r * rb, q + p * qstride,         \
+                out[p * nw + r] = coli_rowdot_##kind##_scalar(w + (r0 + r) * rb, q + p * qstride,  \
                                                               xs + p * sstride, n, block);         \
     }
 COLI_TILE_SCALAR(i8, int8_t)
@@ -54,14 +193,22 @@ COLI_TILE_SCALAR(i4, uint8_t)
 #if COLI_X86
 /* ============================ AVX2 (and AVX-512 without sums) ============================ */
 
-/* The tile through coli_rowsg_<kind>_<sfx>: up to four activation rows per pass over a weight row */
-#define COLI_TILE_BY_ROWSG(kind, WT, sfx, ATTR)                                                    \
-    ATTR static inline void coli_rowdot_##kind##_tile_rowsg_##sfx(const WT *w, long rb, int nw,     \
-                                                                  const int8_t *q, long qstride,   \
-                                                                  const float *xs, long sstride,   \
-                                                                  int P, int n, int block,         \
-                                                                  float *out)                      \
+/* Plain rows through coli_rowsg_<kind>_<sfx> (up to four activation rows per pass over a weight
+ * row), interleaved ones piece by piece */
+#define COLI_TILE_GENERIC(kind, WT, sfx, ATTR, WSH)                                                \
+    COLI_TILE_PIECES(kind, WT, sfx, ATTR, WSH)                                                     \
+    ATTR static inline void coli_rowdot_##kind##_tile_rowsg_##sfx(const WT *w, long rb, int ilv,    \
+                                                                  int r0, int nw, const int8_t *q, \
+                                                                  long qstride, const float *xs,   \
+                                                                  long sstride, int P, int n,      \
+                                                                  int block, float *out)           \
     {                                                                                              \
+        if (ilv) {                                                                                 \
+            coli_rows_view v = coli_rows_at((const uint8_t *)w, rb, ilv, r0);                      \
+            coli_rowdot_##kind##_tile_pieces_##sfx(&v, nw, q, qstride, xs, sstride, P, n, block, out); \
+            return;                                                                                \
+        }                                                                                          \
+        w += r0 * rb;                                                                              \
         for (int p0 = 0; p0 < P; p0 += COLI_ROWS_G) {                                              \
             int g = P - p0 < COLI_ROWS_G ? P - p0 : COLI_ROWS_G;                                   \
             const int8_t *qp[COLI_ROWS_G];                                                         \
@@ -78,21 +225,22 @@ COLI_TILE_SCALAR(i4, uint8_t)
             }                                                                                      \
         }                                                                                          \
     }
-COLI_TILE_BY_ROWSG(i8, int8_t, avx2, COLI_AVX2)
-COLI_TILE_BY_ROWSG(i4, uint8_t, avx2, COLI_AVX2)
-COLI_TILE_BY_ROWSG(i8, int8_t, avx512, COLI_AVX512)
-COLI_TILE_BY_ROWSG(i4, uint8_t, avx512, COLI_AVX512)
+COLI_TILE_GENERIC(i8, int8_t, avx2, COLI_AVX2, 0)
+COLI_TILE_GENERIC(i4, uint8_t, avx2, COLI_AVX2, 1)
+COLI_TILE_GENERIC(i8, int8_t, avx512, COLI_AVX512, 0)
+COLI_TILE_GENERIC(i4, uint8_t, avx512, COLI_AVX512, 1)
 
 #define COLI_TILE_AVX2(kind, WT)                                                                   \
-    COLI_AVX2 static inline void coli_rowdot_##kind##_tile_avx2(const WT *w, long rb, int nw,       \
-                                                                const int8_t *q, long qstride,     \
-                                                                const float *xs, const int32_t *s, \
-                                                                long sstride, const uint8_t *xg,   \
-                                                                long gstride, int P, int n,        \
-                                                                int block, float *out)             \
+    COLI_AVX2 static inline void coli_rowdot_##kind##_tile_avx2(const WT *w, long rb, int ilv, int r0, \
+                                                                int nw, const int8_t *q,           \
+                                                                long qstride, const float *xs,     \
+                                                                const int32_t *s, long sstride,    \
+                                                                const uint8_t *xg, long gstride,   \
+                                                                int P, int n, int block,           \
+                                                                float *out)                        \
     {                                                                                              \
         (void)s; (void)xg; (void)gstride;                                                          \
-        coli_rowdot_##kind##_tile_rowsg_avx2(w, rb, nw, q, qstride, xs, sstride, P, n, block, out); \
+        coli_rowdot_##kind##_tile_rowsg_avx2(w, rb, ilv, r0, nw, q, qstride, xs, sstride, P, n, block, out); \
     }
 COLI_TILE_AVX2(i8, int8_t)
 COLI_TILE_AVX2(i4, uint8_t)
@@ -120,13 +268,13 @@ enum { COLI_TILE_I8 = 0, COLI_TILE_I4 = 1, COLI_TILE_I4S = 2 };
 
 #define COLI_DPBUSD(acc, u, x) ((acc) = _mm512_dpbusd_epi32((acc), (u), (x)))
 
-/* One step of the tile for NW weight rows (w + r*rb) and P activation rows, into a[p][r]:
+/* One step of the tile for NW weight rows (w + r*rs) and P activation rows, into a[p][r]:
  * I8 / I4: 64 inputs (rem < 64: the row's last ones, masked), the activations from q + p*qstride;
  * I4S: 128 inputs (rem < 128: the row's last ones, ceil(rem/2) weight bytes), the activations from
  * their split forms (g + p*gstride: this block's even then odd inputs, zeros past n) - low
  * nibbles . even inputs into a, high nibbles . odd inputs into a too, or into h when P == 1 (two
  * dependency chains per weight row). */
-COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_step_avx512(const uint8_t *w, long rb, const int8_t *q,
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_step_avx512(const uint8_t *w, long rs, const int8_t *q,
                                                                  long qstride, const uint8_t *g, long gstride,
                                                                  int rem, const int NW, const int P, const int K,
                                                                  __m512i (*a)[4], __m512i (*h)[4])
@@ -141,8 +289,8 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_step_avx512(const uint8_t *
         }
         COLI_UNROLL_G
         for (int r = 0; r < NW; r++) {
-            __m512i wv = rem >= 128 ? _mm512_loadu_si512(w + r * rb)
-                                    : _mm512_maskz_loadu_epi8(~0ULL >> (64 - (rem + 1) / 2), w + r * rb);
+            __m512i wv = rem >= 128 ? _mm512_loadu_si512(w + r * rs)
+                                    : _mm512_maskz_loadu_epi8(~0ULL >> (64 - (rem + 1) / 2), w + r * rs);
             __m512i lo = _mm512_and_si512(wv, m4), hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
             COLI_UNROLL_G
             for (int p = 0; p < P; p++) {
@@ -161,7 +309,7 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_step_avx512(const uint8_t *
                              : _mm512_maskz_loadu_epi8(~0ULL >> (64 - rem), q + p * qstride);
         COLI_UNROLL_G
         for (int r = 0; r < NW; r++) {
-            __m512i u = coli_x4_weights_avx512(w + r * rb, 0, rem, K == COLI_TILE_I4);
+            __m512i u = coli_x4_weights_avx512(w + r * rs, 0, rem, K == COLI_TILE_I4);
             COLI_UNROLL_G
             for (int p = 0; p < P; p++)
                 COLI_DPBUSD(a[p][r], u, x[p]);
@@ -194,42 +342,53 @@ COLI_AVX512 static COLI_ALWAYS_INLINE __m256 coli_block_acc8(__m256 acc, __m256 
     return _mm256_add_ps(acc, p);
 }
 
-/* The integer dots of one activation block [i, i + len) for NW (1 or 4) weight rows x P (1, 2 or 4)
- * activation rows, left in a[p][r] as 16 int32 lanes each (without the bias correction): the steps
- * (I8 / I4 with P == 1 alternate two accumulator sets, I4S keeps the high nibbles' products apart).
- * I4S: the block is whole 128-input chunks but for the row's last. */
-COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_block_avx512(const uint8_t *w, long rb, const int8_t *q,
+/* The integer dots of one activation block [i, i + len) for NW (1 or 4) weight rows (view v) x P
+ * (1, 2 or 4) activation rows, left in a[p][r] as 16 int32 lanes each (without the bias
+ * correction). First the whole steps in the rows' whole chunks (I8 / I4S: a chunk a step; I4: half
+ * a chunk; I8 with P == 1 alternates two accumulator sets, I4S keeps the high nibbles' products
+ * apart), then the rest: the rows' tails, or the last chunk of an odd int4 row (the row's last
+ * step masked). I4S: the block is whole
+ * 128-input chunks but for the row's last. */
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_block_avx512(const coli_rows_view *v, const int8_t *q,
                                                                   long qstride, const uint8_t *xg, long gstride,
                                                                   int i, int len, const int NW, const int P,
                                                                   const int K, __m512i (*a)[4])
 {
-    const int wshift = K == COLI_TILE_I8 ? 0 : 1; /* weight bytes = inputs >> wshift */
-    const uint8_t *wp = w + (i >> wshift);
-    const int8_t *qp = q + i;
-    const uint8_t *gp = K == COLI_TILE_I4S ? xg + (long)(i >> 7) * COLI_SPLIT_BYTES : NULL;
+    const int wsh = K == COLI_TILE_I8 ? 0 : 1;                       /* bytes = inputs >> wsh */
+    const int step = K == COLI_TILE_I4S ? 128 : 64;                  /* inputs per step */
+    const long cs = v->cs, full_in = v->full << wsh;                 /* inputs in whole chunks */
+    const int end = i + len;
     __m512i h[4][4];
-    int j = 0;
+    int e = i;
     COLI_UNROLL_G
     for (int p = 0; p < P; p++)
         COLI_UNROLL_G
         for (int r = 0; r < 4; r++)
             a[p][r] = h[p][r] = _mm512_setzero_si512();
     if (K == COLI_TILE_I4S) {
-        for (; j + 128 <= len; j += 128, wp += 64, gp += COLI_SPLIT_BYTES)
-            coli_tile_step_avx512(wp, rb, qp, qstride, gp, gstride, 128, NW, P, K, a, h);
+        const uint8_t *wp = v->w + (long)(e >> 7) * cs, *gp = xg + (long)(e >> 7) * COLI_SPLIT_BYTES;
+        for (; e + 128 <= end && e + 128 <= full_in; e += 128, wp += cs, gp += COLI_SPLIT_BYTES)
+            coli_tile_step_avx512(wp, v->rs, q, qstride, gp, gstride, 128, NW, P, K, a, h);
+    } else if (K == COLI_TILE_I8) {
+        const uint8_t *wp = v->w + (long)(e >> 6) * cs;
+        for (; e + 128 <= end && e + 128 <= full_in; e += 128, wp += 2 * cs) {
+            coli_tile_step_avx512(wp, v->rs, q + e, qstride, NULL, 0, 64, NW, P, K, a, h);
+            coli_tile_step_avx512(wp + cs, v->rs, q + e + 64, qstride, NULL, 0, 64, NW, P, K, P == 1 ? h : a, h);
+        }
+        if (e + 64 <= end && e + 64 <= full_in) {
+            coli_tile_step_avx512(wp, v->rs, q + e, qstride, NULL, 0, 64, NW, P, K, a, h);
+            e += 64;
+        }
     } else {
-        const int step = 64 >> wshift;
-        for (; j + 128 <= len; j += 128, wp += 2 * step, qp += 128) {
-            coli_tile_step_avx512(wp, rb, qp, qstride, gp, gstride, 64, NW, P, K, a, h);
-            coli_tile_step_avx512(wp + step, rb, qp + 64, qstride, gp, gstride, 64, NW, P, K, P == 1 ? h : a, h);
-        }
-        if (j + 64 <= len) {
-            coli_tile_step_avx512(wp, rb, qp, qstride, gp, gstride, 64, NW, P, K, a, h);
-            j += 64, wp += step, qp += 64;
-        }
+        for (; e + 64 <= end && e + 64 <= full_in; e += 64)
+            coli_tile_step_avx512(coli_rows_byte(v, 0, e >> 1), v->rs, q + e, qstride, NULL, 0, 64, NW, P, K, a, h);
     }
-    if (j < len) /* the row's last inputs (the constant steps above keep the loads unmasked) */
-        coli_tile_step_avx512(wp, rb, qp, qstride, gp, gstride, len - j, NW, P, K, a, h);
+    for (; e < end; e += step) { /* the rows' tails, and an odd int4 row's last chunk (masked) */
+        long b = (long)e >> wsh;
+        coli_tile_step_avx512(coli_rows_byte(v, 0, b), b < v->full ? v->rs : v->ts, q + e, qstride,
+                              K == COLI_TILE_I4S ? xg + (long)(e >> 7) * COLI_SPLIT_BYTES : NULL, gstride,
+                              end - e < step ? end - e : step, NW, P, K, a, h);
+    }
     /* An empty asm per accumulator: without it GCC (12) ties the loop's accumulators to the
      * registers the reduction below wants and copies them around every vpdpbusd in the loop. */
     COLI_UNROLL_G
@@ -276,7 +435,7 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_terms_avx512(__m512i (*a)[4
  * decoding K: per activation block its dots, the rows' lanes reduced together, then per output the
  * block's float term, in block order; out[p * ostride + r]. One block (the engine's default) has a
  * path of its own: no loop around the dots' loop keeps GCC's accumulators in place. */
-COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_k_avx512(const uint8_t *w, long rb, const int8_t *q, long qstride,
+COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_k_avx512(const coli_rows_view *v, const int8_t *q, long qstride,
                                                               const float *xs, const int32_t *s, long sstride,
                                                               const uint8_t *xg, long gstride, int n, int block,
                                                               float *out, long ostride, const int NW, const int P,
@@ -287,11 +446,11 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_k_avx512(const uint8_t *w, 
     __m512i a[4][4];
     block = coli_block_len(n, block);
     if (block == n) {
-        coli_tile_block_avx512(w, rb, q, qstride, xg, gstride, 0, n, NW, P, K, a);
+        coli_tile_block_avx512(v, q, qstride, xg, gstride, 0, n, NW, P, K, a);
         coli_tile_terms_avx512(a, xs, s, sstride, 0, NW, P, K, acc8, acc1);
     } else {
         for (int i = 0, b = 0; i < n; i += block, b++) {
-            coli_tile_block_avx512(w, rb, q, qstride, xg, gstride, i, n - i < block ? n - i : block, NW, P, K, a);
+            coli_tile_block_avx512(v, q, qstride, xg, gstride, i, n - i < block ? n - i : block, NW, P, K, a);
             coli_tile_terms_avx512(a, xs, s, sstride, b, NW, P, K, acc8, acc1);
         }
     }
@@ -312,12 +471,14 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_k_avx512(const uint8_t *w, 
 /* nw rows x pc (1, 2 or 4) activation rows from p0: NW = 4 for four rows, else row by row */
 #define COLI_TILE_ROWS(K_, P_)                                                                     \
     do {                                                                                           \
-        if (nw == 4)                                                                               \
-            coli_tile_k_avx512(w, rb, qp, qstride, xsp, sp, sstride, gp, gstride, n, block, o, nw, 4, P_, K_); \
-        else                                                                                       \
-            for (int r = 0; r < nw; r++)                                                           \
-                coli_tile_k_avx512(w + r * rb, rb, qp, qstride, xsp, sp, sstride, gp, gstride, n, block, o + r, nw, \
-                                   1, P_, K_);                                                     \
+        if (nw == 4) {                                                                             \
+            coli_tile_k_avx512(&v, qp, qstride, xsp, sp, sstride, gp, gstride, n, block, o, nw, 4, P_, K_); \
+        } else {                                                                                   \
+            for (int r = 0; r < nw; r++) {                                                         \
+                coli_rows_view vr = coli_rows_at(w, rb, ilv, r0 + r);                              \
+                coli_tile_k_avx512(&vr, qp, qstride, xsp, sp, sstride, gp, gstride, n, block, o + r, nw, 1, P_, K_); \
+            }                                                                                      \
+        }                                                                                          \
     } while (0)
 #define COLI_TILE_PC(K_)                                                                           \
     do {                                                                                           \
@@ -329,13 +490,15 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_k_avx512(const uint8_t *w, 
             COLI_TILE_ROWS(K_, 1);                                                                 \
     } while (0)
 
-COLI_AVX512 static inline void coli_rowdot_tile_avx512(const uint8_t *w, long rb, int nw, const int8_t *q,
-                                                       long qstride, const float *xs, const int32_t *s,
-                                                       long sstride, const uint8_t *xg, long gstride, int P,
-                                                       int n, int block, float *out, const int is4)
+COLI_AVX512 static inline void coli_rowdot_tile_avx512(const uint8_t *w, long rb, int ilv, int r0, int nw,
+                                                       const int8_t *q, long qstride, const float *xs,
+                                                       const int32_t *s, long sstride, const uint8_t *xg,
+                                                       long gstride, int P, int n, int block, float *out,
+                                                       const int is4)
 {
     int blk = coli_block_len(n, block);
     int K = !is4 ? COLI_TILE_I8 : (xg != NULL && (blk == n || blk % 128 == 0)) ? COLI_TILE_I4S : COLI_TILE_I4;
+    coli_rows_view v = coli_rows_at(w, rb, ilv, r0);
     for (int p0 = 0; p0 < P;) {
         int pc = P - p0 >= 4 ? 4 : P - p0 >= 2 ? 2 : 1;
         const int8_t *qp = q + p0 * qstride;
@@ -355,27 +518,27 @@ COLI_AVX512 static inline void coli_rowdot_tile_avx512(const uint8_t *w, long rb
 #undef COLI_TILE_PC
 #undef COLI_TILE_ROWS
 
-COLI_AVX512 static inline void coli_rowdot_i8_tile_avx512(const int8_t *w, long rb, int nw, const int8_t *q,
-                                                          long qstride, const float *xs, const int32_t *s,
-                                                          long sstride, const uint8_t *xg, long gstride, int P,
-                                                          int n, int block, float *out)
+COLI_AVX512 static inline void coli_rowdot_i8_tile_avx512(const int8_t *w, long rb, int ilv, int r0, int nw,
+                                                          const int8_t *q, long qstride, const float *xs,
+                                                          const int32_t *s, long sstride, const uint8_t *xg,
+                                                          long gstride, int P, int n, int block, float *out)
 {
     if (s == NULL)
-        coli_rowdot_i8_tile_rowsg_avx512(w, rb, nw, q, qstride, xs, sstride, P, n, block, out);
+        coli_rowdot_i8_tile_rowsg_avx512(w, rb, ilv, r0, nw, q, qstride, xs, sstride, P, n, block, out);
     else
-        coli_rowdot_tile_avx512((const uint8_t *)w, rb, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block,
-                                out, 0);
+        coli_rowdot_tile_avx512((const uint8_t *)w, rb, ilv, r0, nw, q, qstride, xs, s, sstride, xg, gstride, P, n,
+                                block, out, 0);
 }
 
-COLI_AVX512 static inline void coli_rowdot_i4_tile_avx512(const uint8_t *w, long rb, int nw, const int8_t *q,
-                                                          long qstride, const float *xs, const int32_t *s,
-                                                          long sstride, const uint8_t *xg, long gstride, int P,
-                                                          int n, int block, float *out)
+COLI_AVX512 static inline void coli_rowdot_i4_tile_avx512(const uint8_t *w, long rb, int ilv, int r0, int nw,
+                                                          const int8_t *q, long qstride, const float *xs,
+                                                          const int32_t *s, long sstride, const uint8_t *xg,
+                                                          long gstride, int P, int n, int block, float *out)
 {
     if (s == NULL)
-        coli_rowdot_i4_tile_rowsg_avx512(w, rb, nw, q, qstride, xs, sstride, P, n, block, out);
+        coli_rowdot_i4_tile_rowsg_avx512(w, rb, ilv, r0, nw, q, qstride, xs, sstride, P, n, block, out);
     else
-        coli_rowdot_tile_avx512(w, rb, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block, out, 1);
+        coli_rowdot_tile_avx512(w, rb, ilv, r0, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block, out, 1);
 }
 #endif /* COLI_X86 */
 

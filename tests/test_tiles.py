@@ -6,7 +6,7 @@ bit for bit (decode rows and a verify batch)."""
 import numpy as np
 import pytest
 
-from colibri import _core, model_init
+from colibri import _core, model_init, quant
 from colibri.convert import ConvertOptions, convert
 from conftest import DATA
 
@@ -56,3 +56,96 @@ def test_tiles_and_shared_quantization_are_bit_identical(mixed, mix, idot, threa
         _core.set_threads(before)
         _core.set_kernel_flags(**flags)
         _core.select_isa(isa0)
+
+
+@pytest.fixture
+def isa_each():
+    """Runs the test body for every ISA this CPU has (yields the list; restores the ISA)."""
+    before = _core.isa_active()
+    yield ISAS
+    _core.select_isa(before)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_interleaved_rows_compute_the_plain_rows_floats(bits, isa_each):
+    """QT.interleave lays each group of four rows out in 64-byte turns for the tiles; every matmul
+    output (decode and batches, idot 1 and 2, one or several activation blocks, the tiles or one row
+    per kernel call, with or without the block sums) equals the plain rows' bit for bit, and the
+    rows read back (payload, dequantize) are the container's."""
+    rng = np.random.default_rng(12)
+    flags = _core.set_kernel_flags()
+    try:
+        for O, I in [(4, 64), (5, 100), (8, 127), (9, 128), (13, 129), (37, 255), (16, 1000), (12, 1025),
+                     (6, 4097)]:
+            W = rng.standard_normal((O, I)).astype(np.float32)
+            payload, scale, _ = quant.quantize(W, bits)
+            plain = _core.QT.from_packed(payload, scale, O, I)
+            ilv = _core.QT.from_packed(payload.copy(), scale, O, I)
+            assert ilv.interleave() and ilv.interleaved and not ilv.interleave()
+            rb = I if bits == 8 else (I + 1) // 2
+            assert np.array_equal(ilv.data, plain.data) == (rb <= 64)   # rows of one chunk: the same bytes
+            np.testing.assert_array_equal(ilv.payload(), plain.data)
+            np.testing.assert_array_equal(ilv.dequantize(), plain.dequantize())
+            for isa in isa_each:
+                _core.select_isa(isa)
+                for S in (1, 2, 5):
+                    x = rng.standard_normal((S, I)).astype(np.float32)
+                    for idot in (1, 2):
+                        for block in (0, 64, 128):
+                            want = _core.matmul(plain, x, block=block, idot=idot)
+                            for gk, sums in [(True, True), (True, False), (False, True)]:
+                                _core.set_kernel_flags(group_kernels=gk, block_sums=sums)
+                                np.testing.assert_array_equal(
+                                    _core.matmul(ilv, x, block=block, idot=idot), want,
+                                    err_msg=f"int{bits} {O}x{I} {isa} S={S} idot={idot} block={block} "
+                                            f"group_kernels={gk} sums={sums}")
+                            _core.set_kernel_flags(**flags)
+    finally:
+        _core.set_kernel_flags(**flags)
+
+
+def test_interleave_only_where_the_tiles_read():
+    """Group-scaled, f32 and short matrices keep their layout; the float path and the attention
+    helpers, which read rows one by one, refuse interleaved rows with an error naming the cause
+    instead of reading them wrong."""
+    rng = np.random.default_rng(3)
+    W = rng.standard_normal((8, 128)).astype(np.float32)
+    assert not _core.QT.from_f32(W).interleave()
+    payload, scale, _ = quant.quantize(W, 4, group_size=64)
+    assert not _core.QT.from_packed(payload, scale, 8, 128).interleave()
+    payload, scale, _ = quant.quantize(W[:3], 8)
+    assert not _core.QT.from_packed(payload, scale, 3, 128).interleave()
+    payload, scale, _ = quant.quantize(W, 8)
+    qt = _core.QT.from_packed(payload, scale, 8, 128)
+    assert qt.interleave()
+    x = rng.standard_normal((1, 128)).astype(np.float32)
+    for call in (lambda: _core.matmul(qt, x, idot=0), lambda: qt.rowdots(0, 2, x[0]),
+                 lambda: qt.addrows(0, np.ones(2, np.float32), np.zeros(128, np.float32))):
+        with pytest.raises(ValueError, match="interleaved"):
+            call()
+
+
+def test_model_interleaves_the_matmul_only_matrices(mixed, monkeypatch):
+    """On AVX-512 VNNI a model lays out the resident matrices that only the integer matmuls read
+    (not kv_b, not the embedding, nothing on the float path or another ISA), and decodes the same
+    floats as with every matrix in the container's layout (COLIBRI_INTERLEAVE=0)."""
+    path = mixed["dense4_expert8"]
+    isa0 = _core.isa_active()
+
+    def laid_out(m):
+        return [W.interleaved for L in m.layers for W in (L.q_a, L.o_proj, L.gate)]
+    try:
+        assert not any(laid_out(model_init(path, idot=0)))
+        assert not any(laid_out(model_init(path, isa="avx2" if "avx2" in ISAS else "scalar")))
+    finally:
+        _core.select_isa(isa0)
+    m = model_init(path)
+    assert all(laid_out(m)) == (isa0 == "avx512vnni")
+    assert not m.layers[0].kv_b.interleaved and not m.embed.interleaved
+    out = [_decode(path, _core.isa_active(), 2, fused=True)]
+    monkeypatch.setenv("COLIBRI_INTERLEAVE", "0")
+    m0 = model_init(path)
+    assert not m0.layers[0].q_a.interleaved
+    out.append(_decode(path, _core.isa_active(), 2, fused=True))
+    for a, b in zip(*out):
+        np.testing.assert_array_equal(a, b)

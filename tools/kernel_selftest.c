@@ -11,8 +11,9 @@
  *   - the multi-activation row dots (coli_rowdot2_*, coli_rowdot_*_rows, R = 1..8, strides larger
  *     than n) must be bit-identical to the equivalent single-row calls, on the active ISA and on
  *     the scalar one, and must not write past out[R-1];
- *   - the per-row-scale tiles (coli_rowdot_*_tile: 1..4 weight rows x 1..7 activation rows, with
- *     and without block sums and split activations) must be bit-identical to the one-row calls;
+ *   - the per-row-scale tiles (coli_rowdot_*_tile: 1..4 weight rows, plain or interleaved, x 1..7
+ *     activation rows, with and without block sums and split activations) must be bit-identical to
+ *     the one-row calls;
  *   - the group-scaled row dots (coli_rowdotg_*, groups of 64/128/256 with a partial last group,
  *     any activation block) must be bit-identical to the scalar variant, close to a double
  *     reference of their definition, and their multi-row form (R = 1..8) and their tile form
@@ -550,7 +551,7 @@ static void check_tile(int isa, int n, int mode)
 }
 
 /* The per-row-scale tile (coli_rowdot_*_tile): nw = 1..4 weight rows (rows rb apart, the last
- * ending at a guard page) x P = 1..7 activation rows (their last row, scales, block sums and split
+ * ending at a guard page; and rows r0 .. r0 + nw - 1 of the four interleaved) x P = 1..7 activation rows (their last row, scales, block sums and split
  * form ending at guard pages), with and without the block sums and the split forms, for blocks
  * covering the row, of 64, 128 and 192 inputs: each output bit-identical to the scalar one-row call. */
 static void check_rowtile(int isa, int n, int mode)
@@ -571,6 +572,19 @@ static void check_rowtile(int isa, int n, int mode)
         w4[i] = mode == FILL_EXTREME_POS || mode == FILL_EXTREME_NEG ? 0x00 : (uint8_t)(rnd() & 0xFF);
     for (int p = 0; p < TP; p++)
         coli_split_q8_ref(q + p * qstride, n, xg + p * gstride);
+    /* the four rows interleaved (coli_ilv_pack of their contiguous copy), ending at a guard page */
+    long gb8 = 4L * n, gb4 = 4L * ((n + 1) / 2);
+    uint8_t *c8 = malloc((size_t)gb8), *c4 = malloc((size_t)gb4), *g8 = galloc((size_t)gb8), *g4 = galloc((size_t)gb4);
+    for (int r = 0; r < 4; r++) {
+        memcpy(c8 + (long)r * n, w8 + r * rb8, (size_t)n);
+        memcpy(c4 + (long)r * ((n + 1) / 2), w4 + r * rb4, (size_t)((n + 1) / 2));
+    }
+    coli_ilv_pack(c8, g8, 4, n);
+    coli_ilv_pack(c4, g4, 4, (n + 1) / 2);
+    coli_ilv_unpack(g4, c8, 4, (n + 1) / 2); /* and back */
+    CHECK(memcmp(c8, c4, (size_t)gb4) == 0, "ilv_unpack(ilv_pack) n=%d", n);
+    free(c8);
+    free(c4);
     for (size_t bi = 0; bi < sizeof blocks / sizeof blocks[0]; bi++) {
         int blk = blocks[bi], bl = coli_block_len(n, blk), nbk = (n + bl - 1) / bl;
         if (blk > 0 && blk >= n && bi > 0)
@@ -592,28 +606,34 @@ static void check_rowtile(int isa, int n, int mode)
                     const float *axs = xs + (TP - P) * sstride;
                     const int32_t *as = (t == 1 || t >= 3) ? sums + (TP - P) * sstride : NULL;
                     const uint8_t *ag = t == 4 ? xg + (TP - P) * gstride : NULL;
-                    for (int k = 0; k <= 4 * TP; k++)
-                        out[k] = -12345.0f;
-                    if (t < 2)
-                        coli_rowdot_i8_tile(a8, rb8, nw, aq, qstride, axs, as, sstride, NULL, 0, P, n, blk, out);
-                    else
-                        coli_rowdot_i4_tile(a4, rb4, nw, aq, qstride, axs, as, sstride, ag, gstride, P, n, blk, out);
-                    for (int p = 0; p < P; p++)
-                        for (int r = 0; r < nw; r++) {
-                            float want = t >= 2 ? coli_rowdot_i4_scalar(a4 + r * rb4, aq + p * qstride,
-                                                                        axs + p * sstride, n, blk)
-                                                : coli_rowdot_i8_scalar(a8 + r * rb8, aq + p * qstride,
-                                                                        axs + p * sstride, n, blk);
-                            CHECK(same_bits(out[p * nw + r], want), "rowdot_tile t=%d isa=%d n=%d block=%d nw=%d "
-                                  "P=%d r=%d p=%d got %.9g want %.9g", t, isa, n, blk, nw, P, r, p,
-                                  out[p * nw + r], want);
+                    for (int il = 0; il < 2; il++) /* plain rows, then rows r0 .. of the interleaved group */
+                        for (int r0 = 0; r0 + nw <= (il ? 4 : nw); r0++) {
+                            for (int k = 0; k <= 4 * TP; k++)
+                                out[k] = -12345.0f;
+                            if (t < 2)
+                                coli_rowdot_i8_tile(il ? (const int8_t *)g8 : a8, il ? n : rb8, il, r0, nw, aq,
+                                                    qstride, axs, as, sstride, NULL, 0, P, n, blk, out);
+                            else
+                                coli_rowdot_i4_tile(il ? g4 : a4, il ? (n + 1) / 2 : rb4, il, r0, nw, aq, qstride,
+                                                    axs, as, sstride, ag, gstride, P, n, blk, out);
+                            for (int p = 0; p < P; p++)
+                                for (int r = 0; r < nw; r++) {
+                                    float want = t >= 2 ? coli_rowdot_i4_scalar(il ? w4 + (r0 + r) * rb4 : a4 + r * rb4,
+                                                                                aq + p * qstride, axs + p * sstride, n, blk)
+                                                        : coli_rowdot_i8_scalar(il ? w8 + (r0 + r) * rb8 : a8 + r * rb8,
+                                                                                aq + p * qstride, axs + p * sstride, n, blk);
+                                    CHECK(same_bits(out[p * nw + r], want), "rowdot_tile t=%d ilv=%d r0=%d isa=%d n=%d "
+                                          "block=%d nw=%d P=%d r=%d p=%d got %.9g want %.9g", t, il, r0, isa, n, blk, nw,
+                                          P, r, p, out[p * nw + r], want);
+                                }
+                            CHECK(out[P * nw] == -12345.0f, "rowdot_tile wrote past out t=%d isa=%d n=%d", t, isa, n);
                         }
-                    CHECK(out[P * nw] == -12345.0f, "rowdot_tile wrote past out t=%d isa=%d n=%d", t, isa, n);
                 }
         gfree(xs, sizeof(float) * slen);
         gfree(sums, sizeof(int32_t) * slen);
     }
     gfree(w8, len8); gfree(q, qlen); gfree(w4, len4); gfree(xg, glen);
+    gfree(g8, (size_t)gb8); gfree(g4, (size_t)gb4);
 }
 
 #define ALL_R 0x1FE /* R = 1..8 */
@@ -628,7 +648,7 @@ static void run_size(int isa, int n, int modes)
         check_all(isa, &b);
         check_multi(isa, &b, mode, rmask);
         /* a subset of sizes and fills: whole and partial groups and blocks, short rows, long rows */
-        if (mode <= FILL_EXTREME_POS && (n % 64 == 0 || n % 64 == 36 || n % 64 == 1 || n < 8 || n > 300)) {
+        if (mode <= FILL_EXTREME_POS && (n % 64 == 0 || n % 64 == 36 || n % 64 == 1 || n % 64 == 63 || n < 8 || n > 300)) {
             check_grouped(isa, &b, mode);
             if (n <= 16385) {
                 check_tile(isa, n, mode);

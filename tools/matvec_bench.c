@@ -3,7 +3,7 @@
  *
  *   gcc -O3 -fopenmp -I include tools/matvec_bench.c -o /tmp/mvb -lm
  *   nice /tmp/mvb [--repeats N] [--threads T] [--only SUBSTRING] [--isa scalar|avx2|avx512vnni]
- *                 [--prefetch GROUPS] [--hint 0|1|2|3]
+ *                 [--prefetch GROUPS] [--hint 0|1|2|3] [--variants SUBSTRING]
  *
  * One "call" multiplies a set of K weight matrices [O, I] (int4 or int8, one scale per row, one
  * activation block per row: the engine's default act_block = 0) by one activation row, the way a
@@ -12,12 +12,16 @@
  * items ahead (default 4, PREFETCH_GROUPS; coli_prefetch_row) and multiplying them with the public
  * dispatching kernels, then y[o] = dot * scale[o] (--hint 1..3: prefetcht2/t1/t0 instead of the
  * engine's prefetch instruction). Variants:
- *   idot2 / idot1: the engine's path, coli_rowdot_*_tile with the activations' block sums and (int4)
- *       split forms: the pair q1 + residual q2 (two activation rows), or q1 alone;
- *   ... unsplit: the same tile without the split forms (int4 widens the nibbles, as the four-row
- *       kernel before the split tile did);
+ *   idot2 / idot1 ilv: the engine's path for resident matrices: coli_rowdot_*_tile on rows
+ *       interleaved at load time (coli_ilv_pack; no software prefetch, the rows are one ascending
+ *       stream), with the activations' block sums and (int4) split forms: the pair q1 + residual q2
+ *       (two activation rows), or q1 alone;
+ *   idot2 / idot1: the same tile on the container's layout (experts read from disk), prefetched;
+ *   ... unsplit: without the split forms (int4 widens the nibbles, as the four-row kernel before
+ *       the tile did);
+ *   ... rowwise: the tile one weight row at a time;
  *   idot1 per row: coli_rowdot_* per weight row (the idot=1 path before the tile);
- *   read: the rows loaded and folded with xor, no arithmetic: the ceiling of this access pattern.
+ *   read: the rows loaded and folded with xor, no arithmetic, prefetched as the plain tiles.
  * Every variant's outputs are compared bit for bit with the first variant of its idot.
  *
  * Sets: "L2" (one expert-sized matrix, multiplied again and again: stays in the threads' L2), "L3"
@@ -61,6 +65,7 @@ typedef struct {
     int is4, O, I, K;     /* format, shape, matrices in the set */
     long rb;              /* bytes per row */
     uint8_t *w;           /* K * O * rb */
+    uint8_t *wi;          /* the same rows interleaved (coli_ilv_pack, matrix by matrix) */
     float *ws;            /* K * O row scales */
 } wset;
 
@@ -74,7 +79,7 @@ typedef struct {
     long gstride;
 } acts;
 
-typedef enum { V_TILE, V_UNSPLIT, V_PER_ROW, V_READ } how;
+typedef enum { V_TILE, V_UNSPLIT, V_PER_ROW, V_READ, V_ROWWISE, V_ILV } how;
 
 typedef struct {
     const char *name;
@@ -83,10 +88,14 @@ typedef struct {
 } variant;
 
 static const variant VARS[] = {
+    {"idot2 ilv", 2, V_ILV},
     {"idot2", 2, V_TILE},
     {"idot2 unsplit", 2, V_UNSPLIT},
+    {"idot2 rowwise", 2, V_ROWWISE},
+    {"idot1 ilv", 1, V_ILV},
     {"idot1", 1, V_TILE},
     {"idot1 unsplit", 1, V_UNSPLIT},
+    {"idot1 rowwise", 1, V_ROWWISE},
     {"idot1 per row", 1, V_PER_ROW},
     {"read", 0, V_READ},
 };
@@ -138,9 +147,9 @@ static inline __attribute__((always_inline)) void item(const wset *W, const acts
                                                        long m, int g, float *y)
 {
     const long O = W->O, rb = W->rb;
-    const uint8_t *mat = W->w + m * O * rb;
+    const uint8_t *mat = (v->h == V_ILV ? W->wi : W->w) + m * O * rb;
     int o0 = g * GROUP_ROWS, ahead = o0 + pf * GROUP_ROWS, I = W->I, P = v->idot;
-    if (pf > 0 && ahead < O)
+    if (pf > 0 && ahead < O && v->h != V_ILV) /* as int_group: interleaved rows are one stream */
         prefetch(mat + (long)ahead * rb, (O - ahead > GROUP_ROWS ? GROUP_ROWS : O - ahead) * rb);
     const uint8_t *row = mat + (long)o0 * rb;
     const float *sc = W->ws + m * O + o0;
@@ -148,13 +157,24 @@ static inline __attribute__((always_inline)) void item(const wset *W, const acts
     switch (v->h) {
     case V_TILE:
     case V_UNSPLIT:
+    case V_ILV:
         if (W->is4)
-            coli_rowdot_i4_tile(row, rb, GROUP_ROWS, a->q, I, a->xs, a->s, 1, v->h == V_TILE ? a->g : NULL,
-                                a->gstride, P, I, I, t);
+            coli_rowdot_i4_tile(row, rb, v->h == V_ILV, 0, GROUP_ROWS, a->q, I, a->xs, a->s, 1,
+                                v->h != V_UNSPLIT ? a->g : NULL, a->gstride, P, I, I, t);
         else
-            coli_rowdot_i8_tile((const int8_t *)row, rb, GROUP_ROWS, a->q, I, a->xs, a->s, 1, NULL, 0, P, I, I, t);
+            coli_rowdot_i8_tile((const int8_t *)row, rb, v->h == V_ILV, 0, GROUP_ROWS, a->q, I, a->xs, a->s, 1, NULL,
+                                0, P, I, I, t);
         for (int r = 0; r < GROUP_ROWS; r++)
             out[r] = (P == 2 ? t[r] + t[GROUP_ROWS + r] : t[r]) * sc[r];
+        break;
+    case V_ROWWISE: /* the tile one weight row at a time: one sequential stream */
+        for (int r = 0; r < GROUP_ROWS; r++) {
+            if (W->is4)
+                coli_rowdot_i4_tile(row, rb, 0, r, 1, a->q, I, a->xs, a->s, 1, a->g, a->gstride, P, I, I, t);
+            else
+                coli_rowdot_i8_tile((const int8_t *)row, rb, 0, r, 1, a->q, I, a->xs, a->s, 1, NULL, 0, P, I, I, t);
+            out[r] = (P == 2 ? t[0] + t[1] : t[0]) * sc[r];
+        }
         break;
     case V_PER_ROW:
         for (int r = 0; r < GROUP_ROWS; r++)
@@ -192,6 +212,10 @@ static void make_set(wset *W, int is4, int O, int I, int K)
         W->w[i] = (uint8_t)rnd();
     for (long i = 0; i < (long)K * O; i++)
         W->ws[i] = 1e-3f + (float)(rnd() % 1000) * 1e-5f;
+    W->wi = aligned_alloc(2 << 20, alloc);
+    madvise(W->wi, alloc, MADV_HUGEPAGE);
+    for (long m = 0; m < K; m++)
+        coli_ilv_pack(W->w + m * O * W->rb, W->wi + m * O * W->rb, O, W->rb);
 }
 
 int main(int argc, char **argv)
@@ -309,6 +333,7 @@ int main(int argc, char **argv)
             free(y);
             free(yref);
             free(W.w);
+            free(W.wi);
             free(W.ws);
         }
     if (mismatches)
