@@ -371,14 +371,13 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_tile_block_avx512(const coli_row
             coli_tile_step_avx512(wp, v->rs, q, qstride, gp, gstride, 128, NW, P, K, a, h);
     } else if (K == COLI_TILE_I8) {
         const uint8_t *wp = v->w + (long)(e >> 6) * cs;
-        for (; e + 128 <= end && e + 128 <= full_in; e += 128, wp += 2 * cs) {
+        if (P == 1)
+            for (; e + 128 <= end && e + 128 <= full_in; e += 128, wp += 2 * cs) {
+                coli_tile_step_avx512(wp, v->rs, q + e, qstride, NULL, 0, 64, NW, P, K, a, h);
+                coli_tile_step_avx512(wp + cs, v->rs, q + e + 64, qstride, NULL, 0, 64, NW, P, K, h, h);
+            }
+        for (; e + 64 <= end && e + 64 <= full_in; e += 64, wp += cs)
             coli_tile_step_avx512(wp, v->rs, q + e, qstride, NULL, 0, 64, NW, P, K, a, h);
-            coli_tile_step_avx512(wp + cs, v->rs, q + e + 64, qstride, NULL, 0, 64, NW, P, K, P == 1 ? h : a, h);
-        }
-        if (e + 64 <= end && e + 64 <= full_in) {
-            coli_tile_step_avx512(wp, v->rs, q + e, qstride, NULL, 0, 64, NW, P, K, a, h);
-            e += 64;
-        }
     } else {
         for (; e + 64 <= end && e + 64 <= full_in; e += 64)
             coli_tile_step_avx512(coli_rows_byte(v, 0, e >> 1), v->rs, q + e, qstride, NULL, 0, 64, NW, P, K, a, h);
