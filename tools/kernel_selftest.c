@@ -51,15 +51,7 @@ static long g_checks, g_fail;
 
 /* ---------------------------------------- utilities ---------------------------------------- */
 
-static uint64_t g_rng = 0x9E3779B97F4A7C15ULL;
-
-static uint32_t rnd(void) /* xorshift64* */
-{
-    g_rng ^= g_rng >> 12;
-    g_rng ^= g_rng << 25;
-    g_rng ^= g_rng >> 27;
-    return (uint32_t)((g_rng * 0x2545F4914F6CDD1DULL) >> 32);
-}
+#include "coli_tool_util.h"
 
 static float rndf(void) { return (float)((double)rnd() / 4294967296.0 * 2.0 - 1.0); } /* [-1, 1) */
 
@@ -697,12 +689,6 @@ static void run_i4_limit(int isa)
 
 /* ---------------------------------------- benchmark ---------------------------------------- */
 
-static double now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e9 + ts.tv_nsec;
-}
 
 static volatile float g_sink;
 
@@ -754,6 +740,7 @@ static void bench(int best)
 
 int main(int argc, char **argv)
 {
+    g_rng = 0x9E3779B97F4A7C15ULL; /* this selftest's own stream */
     int do_bench = !(argc > 1 && strcmp(argv[1], "--no-bench") == 0);
     int best = coli_isa_best();
     printf("best ISA: %s, active at startup: %s\n", coli_isa_name(best), coli_isa_name(coli_isa_active()));

@@ -44,22 +44,7 @@
 
 enum { GROUP_ROWS = 4, IMAX = 8192 };
 
-static uint64_t g_rng = 0x243F6A8885A308D3ULL;
-
-static uint32_t rnd(void) /* xorshift64* */
-{
-    g_rng ^= g_rng >> 12;
-    g_rng ^= g_rng << 25;
-    g_rng ^= g_rng >> 27;
-    return (uint32_t)((g_rng * 0x2545F4914F6CDD1DULL) >> 32);
-}
-
-static double now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e9 + ts.tv_nsec;
-}
+#include "coli_tool_util.h"
 
 typedef struct {
     int is4, O, I, K;     /* format, shape, matrices in the set */
