@@ -449,7 +449,9 @@ def test_sigkill_during_saves_leaves_the_last_complete_session(tmp_path):
     t0 = time.monotonic()
     for run in range(24):
         base = run * 100000
-        proc = subprocess.Popen([sys.executable, str(script), str(p), str(DSA), str(base)],
+        # unbuffered: readline() must not read ahead into the first save's line, which
+        # communicate() (reading the raw pipe) would then never see
+        proc = subprocess.Popen([sys.executable, str(script), str(p), str(DSA), str(base)], bufsize=0,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, env=env)
         try:
             line = proc.stdout.readline()
