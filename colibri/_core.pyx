@@ -1520,27 +1520,32 @@ cdef class Model:
         w = st.read_f32(name)
         return self._qt_from_float(w, name, O, I, bits)
 
-    def _interleave_resident(self):
-        """Lay out for the matmul tiles (QT.interleave) the resident matrices that only the integer
-        matmuls read: attention's q_a, q_b, kv_a and o_proj, the indexer's projections, the dense MLP
-        and shared expert, eh_proj and lm_head (unless it is the embedding). kv_b (whose rows the
-        absorbed attention reads one by one) and the embedding keep the container's layout, and so
-        does everything when the float path runs (idot=0) or the active ISA is not AVX-512 VNNI
-        (whose tiles read interleaved rows natively; the others read them piece by piece, correct but
-        slower). COLIBRI_INTERLEAVE=0 keeps it everywhere (A/B measurements; the results are the
-        same bit for bit)."""
+    def _lay_out(self, QT W):
+        """Interleave W's rows for the tiles (QT.interleave) when this model's matmuls read them
+        natively: the integer path (idot 1 or 2) on AVX-512 VNNI, and COLIBRI_INTERLEAVE not 0 (A/B
+        measurements; the results are the same bit for bit either way). For matrices only the
+        integer matmuls read. Returns whether W is laid out so."""
         if self.idot == IDOT_FLOAT or coli_isa_active() != COLI_ISA_AVX512VNNI or \
                 os.environ.get("COLIBRI_INTERLEAVE", "1").strip() == "0":
-            return
+            return False
+        W.interleave()
+        return W.interleaved
+
+    def _interleave_resident(self):
+        """Lay out for the tiles (_lay_out) the resident matrices that only the integer matmuls
+        read: attention's q_a, q_b, kv_a and o_proj, the indexer's projections, the dense MLP and
+        shared expert, eh_proj and lm_head (unless it is the embedding). kv_b, whose rows the
+        absorbed attention reads one by one, and the embedding keep the container's layout; the
+        other ISAs read interleaved rows piece by piece (correct, slower), hence AVX-512 only."""
         layers = list(self.layers) + ([self.mtp] if self.has_mtp else [])
         for L in layers:
             for W in (L.q_a, L.q_b, L.kv_a, L.o_proj, L.iwq, L.iwk, L.iwp, L.gate, L.up, L.down):
                 if W is not None:
-                    W.interleave()
+                    self._lay_out(W)
         if self.lm_head is not self.embed:
-            self.lm_head.interleave()
+            self._lay_out(self.lm_head)
         if self.has_mtp and self.eh_proj is not None:
-            self.eh_proj.interleave()
+            self._lay_out(self.eh_proj)
 
     def _note_groups(self, QT W):
         if W.c.gs > 0 and W.c.fmt == FMT_I4:
