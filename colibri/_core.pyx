@@ -938,14 +938,24 @@ cdef inline void add_ffn_outputs(const FfnJob *jobs, const int *order, int nj, c
                                  const float *uw, bint absolute, int D, const float *yd, float *out,
                                  int i) noexcept nogil:
     """Column i of out[urow[p], :] += uw[p] · y_p for the pairs of jobs order[0], order[1], ...
-    (order NULL: 0, 1, ...), pairs counted from J.pabs (absolute) or J.row0."""
-    cdef int j, r, p
+    (order NULL: 0, 1, ...), pairs counted from J.pabs (absolute) or J.row0. The running sum of an
+    output stays in a register while consecutive pairs add into its row (decode: all of them), the
+    same float additions in the same order as one memory update each."""
+    cdef int j, r, p, row = -1
+    cdef float acc = 0.0
     cdef const FfnJob *J
     for j in range(nj):
         J = &jobs[order[j] if order != NULL else j]
         p = J.pabs if absolute else J.row0
         for r in range(J.nr):
-            out[<Py_ssize_t>urow[p + r] * D + i] += uw[p + r] * yd[J.y0 + <Py_ssize_t>r * D + i]
+            if urow[p + r] != row:
+                if row >= 0:
+                    out[<Py_ssize_t>row * D + i] = acc
+                row = urow[p + r]
+                acc = out[<Py_ssize_t>row * D + i]
+            acc = acc + uw[p + r] * yd[J.y0 + <Py_ssize_t>r * D + i]
+    if row >= 0:
+        out[<Py_ssize_t>row * D + i] = acc
 
 
 cdef class FfnScratch:
