@@ -441,12 +441,12 @@ cdef enum:
     IDOT_Q8X2 = 2       # integer dots on int8 activations + their int8-quantized residual
 
 
-# Decode passes each activation block's sum to the int4 two-row kernel, which then needs one
-# vpdpbusd per 64 weights and activation row (bit-identical; COLIBRI_BLOCK_SUMS=0 turns it off, for
-# A/B measurements).
+# The integer matmuls pass each activation block's sum to the tiles, which then need one vpdpbusd
+# per 64 weights and activation row (bit-identical; COLIBRI_BLOCK_SUMS=0 turns it off, for A/B
+# measurements).
 cdef bint BLOCK_SUMS = os.environ.get("COLIBRI_BLOCK_SUMS", "1") != "0"
-# Decode matmuls take four weight rows per kernel call (int_group); COLIBRI_GROUP_KERNELS=0 makes
-# them one row per call, for A/B measurements (bit-identical either way).
+# Decode matmuls take four weight rows per kernel call (int_group: the tiles); COLIBRI_GROUP_KERNELS=0
+# makes them one row per call, for A/B measurements (bit-identical either way).
 cdef bint GROUP_KERNELS = os.environ.get("COLIBRI_GROUP_KERNELS", "1") != "0"
 cdef int PREFETCH_GROUPS = int(os.environ.get("COLIBRI_PREFETCH_GROUPS", "4"))
 
@@ -1018,6 +1018,12 @@ cdef class FfnScratch:
             self.p_xg = self._data(self.xg)
             self.p_hg = self._data(self.hg)
 
+    @property
+    def nbytes(self):
+        """Bytes of the scratch's arrays (what ffn_scratch_bytes predicts)."""
+        return sum(a.nbytes for a in (self.xq, self.xs, self.g, self.u, self.hq, self.hs, self.yd, self.xr,
+                                      self.urow, self.uw, self.xm, self.hm, self.xg, self.hg))
+
     cdef uint8_t *_data(self, a):
         cdef uint8_t[::1] v = a          # a stays referenced by self: the pointer outlives v
         return &v[0]
@@ -1123,8 +1129,16 @@ def rope_inv_freq(int dr, float theta):
 ISA_NAMES = {"scalar": 0, "avx2": 1, "avx512vnni": 2}
 
 
+def ffn_scratch_bytes(int pairs, int D, int I, int nt):
+    """Bytes of the arrays of FfnScratch(jobs, pairs, D, I, nt) (the RAM plan's fused-group term):
+    per pair the quantized inputs and hidden rows with their scales and block sums, the hidden g/u,
+    the down outputs, the split forms; per thread a residual row."""
+    return (pairs * (22 * D + 26 * I + 8 + 2 * coli_split_len(D) + 2 * coli_split_len(I))
+            + 4 * max(nt, 1) * max(D, I))
+
+
 def split_len(int n):
-    """Bytes of one activation row of width n in the split form of group-scaled int4 matmuls."""
+    """Bytes of one activation row of width n in the split form (coli_split.h) int4 matmuls read."""
     return coli_split_len(n)
 
 
