@@ -443,12 +443,12 @@ cdef enum:
     IDOT_Q8X2 = 2       # integer dots on int8 activations + their int8-quantized residual
 
 
-# Decode passes each activation block's sum to the int4 two-row kernel, which then needs one
-# vpdpbusd per 64 weights and activation row (bit-identical; COLIBRI_BLOCK_SUMS=0 turns it off, for
-# A/B measurements).
+# The integer matmuls pass each activation block's sum to the tiles, which then need one vpdpbusd
+# per 64 weights and activation row (bit-identical; COLIBRI_BLOCK_SUMS=0 turns it off, for A/B
+# measurements).
 cdef bint BLOCK_SUMS = os.environ.get("COLIBRI_BLOCK_SUMS", "1") != "0"
-# Decode matmuls take four weight rows per kernel call (int_group); COLIBRI_GROUP_KERNELS=0 makes
-# them one row per call, for A/B measurements (bit-identical either way).
+# Decode matmuls take four weight rows per kernel call (int_group: the tiles); COLIBRI_GROUP_KERNELS=0
+# makes them one row per call, for A/B measurements (bit-identical either way).
 cdef bint GROUP_KERNELS = os.environ.get("COLIBRI_GROUP_KERNELS", "1") != "0"
 cdef int PREFETCH_GROUPS = int(os.environ.get("COLIBRI_PREFETCH_GROUPS", "4"))
 
@@ -958,14 +958,24 @@ cdef inline void add_ffn_outputs(const FfnJob *jobs, const int *order, int nj, c
                                  const float *uw, bint absolute, int D, const float *yd, float *out,
                                  int i) noexcept nogil:
     """Column i of out[urow[p], :] += uw[p] · y_p for the pairs of jobs order[0], order[1], ...
-    (order NULL: 0, 1, ...), pairs counted from J.pabs (absolute) or J.row0."""
-    cdef int j, r, p
+    (order NULL: 0, 1, ...), pairs counted from J.pabs (absolute) or J.row0. The running sum of an
+    output stays in a register while consecutive pairs add into its row (decode: all of them), the
+    same float additions in the same order as one memory update each."""
+    cdef int j, r, p, row = -1
+    cdef float acc = 0.0
     cdef const FfnJob *J
     for j in range(nj):
         J = &jobs[order[j] if order != NULL else j]
         p = J.pabs if absolute else J.row0
         for r in range(J.nr):
-            out[<Py_ssize_t>urow[p + r] * D + i] += uw[p + r] * yd[J.y0 + <Py_ssize_t>r * D + i]
+            if urow[p + r] != row:
+                if row >= 0:
+                    out[<Py_ssize_t>row * D + i] = acc
+                row = urow[p + r]
+                acc = out[<Py_ssize_t>row * D + i]
+            acc = acc + uw[p + r] * yd[J.y0 + <Py_ssize_t>r * D + i]
+    if row >= 0:
+        out[<Py_ssize_t>row * D + i] = acc
 
 
 cdef class FfnScratch:
@@ -1027,6 +1037,12 @@ cdef class FfnScratch:
             self.hg = np.zeros(2 * self.max_pairs * self.hgs, np.uint8)
             self.p_xg = self._data(self.xg)
             self.p_hg = self._data(self.hg)
+
+    @property
+    def nbytes(self):
+        """Bytes of the scratch's arrays (what ffn_scratch_bytes predicts)."""
+        return sum(a.nbytes for a in (self.xq, self.xs, self.g, self.u, self.hq, self.hs, self.yd, self.xr,
+                                      self.urow, self.uw, self.xm, self.hm, self.xg, self.hg))
 
     cdef uint8_t *_data(self, a):
         cdef uint8_t[::1] v = a          # a stays referenced by self: the pointer outlives v
@@ -1133,8 +1149,16 @@ def rope_inv_freq(int dr, float theta):
 ISA_NAMES = {"scalar": 0, "avx2": 1, "avx512vnni": 2}
 
 
+def ffn_scratch_bytes(int pairs, int D, int I, int nt):
+    """Bytes of the arrays of FfnScratch(jobs, pairs, D, I, nt) (the RAM plan's fused-group term):
+    per pair the quantized inputs and hidden rows with their scales and block sums, the hidden g/u,
+    the down outputs, the split forms; per thread a residual row."""
+    return (pairs * (22 * D + 26 * I + 8 + 2 * coli_split_len(D) + 2 * coli_split_len(I))
+            + 4 * max(nt, 1) * max(D, I))
+
+
 def split_len(int n):
-    """Bytes of one activation row of width n in the split form of group-scaled int4 matmuls."""
+    """Bytes of one activation row of width n in the split form (coli_split.h) int4 matmuls read."""
     return coli_split_len(n)
 
 
@@ -1540,27 +1564,32 @@ cdef class Model:
         w = st.read_f32(name)
         return self._qt_from_float(w, name, O, I, bits)
 
-    def _interleave_resident(self):
-        """Lay out for the matmul tiles (QT.interleave) the resident matrices that only the integer
-        matmuls read: attention's q_a, q_b, kv_a and o_proj, the indexer's projections, the dense MLP
-        and shared expert, eh_proj and lm_head (unless it is the embedding). kv_b (whose rows the
-        absorbed attention reads one by one) and the embedding keep the container's layout, and so
-        does everything when the float path runs (idot=0) or the active ISA is not AVX-512 VNNI
-        (whose tiles read interleaved rows natively; the others read them piece by piece, correct but
-        slower). COLIBRI_INTERLEAVE=0 keeps it everywhere (A/B measurements; the results are the
-        same bit for bit)."""
+    def _lay_out(self, QT W):
+        """Interleave W's rows for the tiles (QT.interleave) when this model's matmuls read them
+        natively: the integer path (idot 1 or 2) on AVX-512 VNNI, and COLIBRI_INTERLEAVE not 0 (A/B
+        measurements; the results are the same bit for bit either way). For matrices only the
+        integer matmuls read. Returns whether W is laid out so."""
         if self.idot == IDOT_FLOAT or coli_isa_active() != COLI_ISA_AVX512VNNI or \
                 os.environ.get("COLIBRI_INTERLEAVE", "1").strip() == "0":
-            return
+            return False
+        W.interleave()
+        return W.interleaved
+
+    def _interleave_resident(self):
+        """Lay out for the tiles (_lay_out) the resident matrices that only the integer matmuls
+        read: attention's q_a, q_b, kv_a and o_proj, the indexer's projections, the dense MLP and
+        shared expert, eh_proj and lm_head (unless it is the embedding). kv_b, whose rows the
+        absorbed attention reads one by one, and the embedding keep the container's layout; the
+        other ISAs read interleaved rows piece by piece (correct, slower), hence AVX-512 only."""
         layers = list(self.layers) + ([self.mtp] if self.has_mtp else [])
         for L in layers:
             for W in (L.q_a, L.q_b, L.kv_a, L.o_proj, L.iwq, L.iwk, L.iwp, L.gate, L.up, L.down):
                 if W is not None:
-                    W.interleave()
+                    self._lay_out(W)
         if self.lm_head is not self.embed:
-            self.lm_head.interleave()
+            self._lay_out(self.lm_head)
         if self.has_mtp and self.eh_proj is not None:
-            self.eh_proj.interleave()
+            self._lay_out(self.eh_proj)
 
     def _note_groups(self, QT W):
         if W.c.gs > 0 and W.c.fmt == FMT_I4:

@@ -76,11 +76,11 @@ def work_bytes_estimate(model, ctx: int) -> int:
                             max(_core.max_threads(), 1))
     floats = 2 * ctx * c.hidden + S * c.vocab
     pairs = S * (c.topk + 1)
-    ffn = pairs * (5 * c.hidden + 6 * inter)
-    # group-scaled int4 matmuls' split activations (Model._split_scratch): a chunk of the widest rows
+    ffn = _core.ffn_scratch_bytes(pairs, c.hidden, inter, max(_core.max_threads(), 1))
+    # int4 matmuls' split activations (Model._split_scratch): a chunk of the widest rows
     widest = max(2 * c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter)
     split = 2 * max(_core.chunk_rows(ctx) * _core.split_len(widest), kvb_rows * _core.split_len(c.kv_lora))
-    return int(work + 4 * floats + 4 * ffn + split)
+    return int(work + 4 * floats + ffn + split)
 
 
 def current_rss_bytes() -> int:

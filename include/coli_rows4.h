@@ -517,11 +517,25 @@ COLI_AVX512 static inline void coli_rowdot_tile_avx512(const uint8_t *w, long rb
 #undef COLI_TILE_PC
 #undef COLI_TILE_ROWS
 
+/* the decode cases - four weight rows, one or two activation rows (idot 1, 2), one activation
+ * block - directly, without the general dispatch */
+#define COLI_TILE_DECODE(K_)                                                                       \
+    do {                                                                                           \
+        coli_rows_view v = coli_rows_at((const uint8_t *)w, rb, ilv, r0);                          \
+        if (P == 2)                                                                                \
+            coli_tile_k_avx512(&v, q, qstride, xs, s, sstride, xg, gstride, n, n, out, 4, 4, 2, K_); \
+        else                                                                                       \
+            coli_tile_k_avx512(&v, q, qstride, xs, s, sstride, xg, gstride, n, n, out, 4, 4, 1, K_); \
+        return;                                                                                    \
+    } while (0)
+
 COLI_AVX512 static inline void coli_rowdot_i8_tile_avx512(const int8_t *w, long rb, int ilv, int r0, int nw,
                                                           const int8_t *q, long qstride, const float *xs,
                                                           const int32_t *s, long sstride, const uint8_t *xg,
                                                           long gstride, int P, int n, int block, float *out)
 {
+    if (s != NULL && nw == 4 && P <= 2 && coli_block_len(n, block) == n)
+        COLI_TILE_DECODE(COLI_TILE_I8);
     if (s == NULL)
         coli_rowdot_i8_tile_rowsg_avx512(w, rb, ilv, r0, nw, q, qstride, xs, sstride, P, n, block, out);
     else
@@ -534,11 +548,14 @@ COLI_AVX512 static inline void coli_rowdot_i4_tile_avx512(const uint8_t *w, long
                                                           const int32_t *s, long sstride, const uint8_t *xg,
                                                           long gstride, int P, int n, int block, float *out)
 {
+    if (s != NULL && xg != NULL && nw == 4 && P <= 2 && coli_block_len(n, block) == n)
+        COLI_TILE_DECODE(COLI_TILE_I4S);
     if (s == NULL)
         coli_rowdot_i4_tile_rowsg_avx512(w, rb, ilv, r0, nw, q, qstride, xs, sstride, P, n, block, out);
     else
         coli_rowdot_tile_avx512(w, rb, ilv, r0, nw, q, qstride, xs, s, sstride, xg, gstride, P, n, block, out, 1);
 }
+#undef COLI_TILE_DECODE
 #endif /* COLI_X86 */
 
 #endif /* COLI_ROWS4_H */

@@ -149,3 +149,17 @@ def test_model_interleaves_the_matmul_only_matrices(mixed, monkeypatch):
     out.append(_decode(path, _core.isa_active(), 2, fused=True))
     for a, b in zip(*out):
         np.testing.assert_array_equal(a, b)
+
+
+def test_ffn_scratch_bytes_is_what_the_scratch_allocates(mixed):
+    """The RAM plan's term for the fused FFN group (ffn_scratch_bytes) equals the bytes the scratch
+    allocates, split forms included (every int4 matmul reads them now)."""
+    for pairs, D, I, nt in [(1, 128, 64, 1), (153, 6144, 2048, 2), (17, 100, 37, 4)]:
+        fs = _core.FfnScratch(3, pairs, D, I, nt)
+        assert fs.nbytes == _core.ffn_scratch_bytes(pairs, D, I, nt)
+    m = model_init(mixed["dense8_expert4"])
+    m.kv_alloc(24)
+    m.step([3, 4, 5], 0)                                    # makes the model's scratch
+    c = m.cfg
+    fs = m._ffn_scratch(1, 1, 1)
+    assert fs.nbytes == _core.ffn_scratch_bytes(fs.max_pairs, c.hidden, fs.I, fs.xr.shape[0])
