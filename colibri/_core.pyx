@@ -1526,7 +1526,6 @@ cdef class Model:
     cdef public bint mapped                       # container experts used in place in the file mapping
     cdef object _direct_fds, _io, _slabs, _expert_layouts, _row_files
     cdef object _gsplit                           # split activation rows for group-scaled int4 (see _split_scratch)
-    cdef public bint grouped4                     # a group-scaled int4 matrix has been loaded (resident or expert)
     # Counters
     cdef public long long bytes_read, forwards, decode_forwards, emitted
     cdef public object trace                      # None, or a list that collects (forward, layer, rows, experts)
@@ -1559,7 +1558,6 @@ cdef class Model:
             if info.dtype not in ("U8", "I8"):
                 raise _st.ContainerError(f"{info.path}: {name} has a .qs scale but dtype {info.dtype}, expected U8")
             W = QT.from_packed(st.read_raw(name), st.read_f32(name + ".qs"), O, I, f"{info.path}: {name}")
-            self._note_groups(W)
             return W
         w = st.read_f32(name)
         return self._qt_from_float(w, name, O, I, bits)
@@ -1590,10 +1588,6 @@ cdef class Model:
             self._lay_out(self.lm_head)
         if self.has_mtp and self.eh_proj is not None:
             self._lay_out(self.eh_proj)
-
-    def _note_groups(self, QT W):
-        if W.c.gs > 0 and W.c.fmt == FMT_I4:
-            self.grouped4 = True          # the fused FFN group then keeps room for split activations
 
     def _qt_from_float(self, w, name, int O, int I, int bits):
         if tuple(w.shape) != (O, I):
@@ -1718,7 +1712,6 @@ cdef class Model:
                 a = base + lay.starts[k]
                 qts.append(QT.from_packed(slab[a:a + lay.payloads[k].nbytes], scales[k],
                                           shapes[k][0], shapes[k][1], names[k]))
-                self._note_groups(qts[k])
             E.slab = slab
             E.nbytes = lay.total
         else:
@@ -1755,7 +1748,6 @@ cdef class Model:
                 E.nbytes += sc.nbytes
                 qts.append(QT.from_packed(st.map(p.file_index)[p.offset:p.offset + p.nbytes], scale,
                                           shapes[k][0], shapes[k][1], names[k]))
-                self._note_groups(qts[k])
             E.gate, E.up, E.down = qts
             first = lay.payloads[lay.order[0]]
             E.slab = st.map(first.file_index)[first.offset:first.offset + lay.total] if lay.contiguous else None
@@ -2321,8 +2313,6 @@ cdef class Model:
             Imax = max(Imax, (<QT>f[0]).c.O)
         npairs = sum(f[4] for f in ffns)
         cdef FfnScratch fs = self._ffn_scratch(p0 + npairs, j0 + nj, Imax)
-        if self.grouped4:
-            fs.split_room()
         cdef int r
         if rows is None:                  # one FFN on rows 0..S-1 with weight 1
             for r in range(S):
@@ -2671,7 +2661,6 @@ cdef class Model:
         cdef TokenStep T
         self._build_steps(ws)
         cdef FfnScratch fs = self._ffn_scratch(S * (K + 1), c.n_experts + 1, 0)
-        fs.split_room()
         if self._rec is None or self._rec[1].shape[1] < S * K:
             self._rec = (np.zeros(nL, np.int32), np.zeros((nL, S * K), np.int32))
         cdef int[::1] rec_nu = self._rec[0]
