@@ -30,7 +30,8 @@ class Options:
     ``ram_gb`` RAM budget (None = 0.88 x available); ``threads`` OpenMP threads (0 = all cores);
     ``io_threads`` concurrent expert reads; ``prefetch`` router-lookahead prefetch; ``direct``
     O_DIRECT expert reads; ``autopin`` pin hot experts from the saved routing history; ``pin`` /
-    ``pin_gb`` explicit pins from a stats file; ``idot`` matmul numerics (see the README);
+    ``pin_gb`` explicit pins from a stats file; ``warm_experts`` read every expert at load when all
+    fit in the budget; ``idot`` matmul numerics (see the README);
     ``context`` KV positions (0 = the model's context, at most 4096).
     Generation defaults: ``max_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``draft``
     ('auto' or a depth 0..16)."""
@@ -43,6 +44,7 @@ class Options:
     autopin: bool = True
     pin: Optional[str] = None
     pin_gb: Optional[float] = None
+    warm_experts: bool = True
     idot: int = 2
     context: int = 0
     max_tokens: int = 256
@@ -183,7 +185,8 @@ class LLM:
         limit = self.cfg.max_positions or 4096
         self.context = min(o.context or min(limit, 4096), limit)
         self.tiers = _tiers.configure(self.model, self.context, requested=o.cache_experts, ram_gb=o.ram_gb,
-                                      pin=o.pin, pin_gb=o.pin_gb, autopin=o.autopin, prefetch=o.prefetch)
+                                      pin=o.pin, pin_gb=o.pin_gb, autopin=o.autopin, prefetch=o.prefetch,
+                                      warm=o.warm_experts)
         self.model.kv_alloc(self.context)
         self.eos = set(self.cfg.eos_ids)
         self.history: List[int] = []       # tokens whose KV rows are valid, from position 0

@@ -88,7 +88,7 @@ class _Pending:
     def __init__(self, layer, eid, kind, protect=frozenset()):
         self.layer = layer
         self.eid = eid
-        self.kind = kind                # "get", "pin" or "prefetch"
+        self.kind = kind                # "get", "pin", "warm" or "prefetch"
         self.protect = protect          # prefetch only: experts its insertion must not evict
         self.event = threading.Event()
         self.obj = None
@@ -406,16 +406,7 @@ class ExpertCache:
                     added += nb
                     continue
                 todo.append(_Pending(layer, eid, "pin"))
-        total = len(todo)
-        if progress is not None and total == 0:
-            progress(0, 0)
-        futures = {self._pool.submit(self._run_load, p): p for p in todo}
-        done = 0
-        for f in concurrent.futures.as_completed(futures):
-            f.result()
-            done += 1
-            if progress is not None:
-                progress(done, total)
+        self._load_all(todo, progress)
         first_err = None
         with self._lock:
             for p in todo:
@@ -439,6 +430,57 @@ class ExpertCache:
         if first_err is not None:
             raise _with_context(first_err.error, first_err.layer, first_err.eid) from first_err.error
         return added
+
+    def warm(self, items, progress=None) -> int:
+        """Load (layer, eid) pairs into their rows' LRU before any call needs them (a model whose
+        every expert fits in the budget is read once at start-up, as llama.cpp maps and populates
+        its whole file): in parallel on the I/O pool, no usage or hit/miss counted (loads and bytes
+        read are). Pairs already held (pinned, in the LRU or kept) are skipped, and a row is never
+        filled beyond its capacity. progress(done, total) as pin()'s. Returns (experts placed, their
+        bytes).
+        Loads that fail leave their pairs to be read on demand; the first failure is raised."""
+        self._open()
+        pairs = list(dict.fromkeys(self._check(layer, eid) for layer, eid in items))
+        todo = []
+        with self._lock:
+            room = [self.capacity - len(lru) for lru in self._lru]
+            for layer, eid in pairs:
+                if eid in self._pins[layer] or eid in self._lru[layer] or (layer, eid) in self._kept:
+                    continue
+                if room[layer] > 0:
+                    room[layer] -= 1
+                    todo.append(_Pending(layer, eid, "warm"))
+        self._load_all(todo, progress)
+        placed = added = 0
+        first_err = None
+        with self._lock:
+            for p in todo:
+                if p.error is not None:
+                    first_err = first_err or p
+                    continue
+                lru = self._lru[p.layer]
+                if p.eid in self._pins[p.layer] or p.eid in lru or len(lru) >= self.capacity:
+                    self._release_obj(p.layer, p.eid, p.obj, False)
+                    continue
+                lru[p.eid] = _Entry(p.obj)
+                self._changed(p.layer, p.eid, p.obj)
+                placed += 1
+                added += int(p.obj.nbytes)
+        if first_err is not None:
+            raise _with_context(first_err.error, first_err.layer, first_err.eid) from first_err.error
+        return placed, added
+
+    def _load_all(self, todo, progress):
+        """Run the loads of todo (_Pending, not registered in flight) on the I/O pool and wait for
+        them all; progress(done, total) after each (and (0, 0) when there are none)."""
+        total = len(todo)
+        if progress is not None and total == 0:
+            progress(0, 0)
+        futures = [self._pool.submit(self._run_load, p) for p in todo]
+        for done, f in enumerate(concurrent.futures.as_completed(futures), 1):
+            f.result()
+            if progress is not None:
+                progress(done, total)
 
     def get(self, layer: int, eids) -> list:
         """The experts of one MoE call on row ``layer``, in the order of ``eids`` (duplicates allowed;

@@ -131,7 +131,7 @@ def run(args) -> int:
     from .runner import peak_rss_bytes
     kw = dict(cache_experts=args.cache_experts, threads=args.threads, ram_gb=args.ram, io_threads=args.io_threads,
               prefetch=not args.no_prefetch, direct=args.direct, autopin=not args.no_autopin, pin=args.pin,
-              pin_gb=args.pin_gb, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+              pin_gb=args.pin_gb, warm_experts=not args.lazy_experts, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
               draft=args.draft)
     llm = load(args.model, Options.from_env(**kw))
     session = ChatSession(llm, system=args.system, persist=not args.no_save)

@@ -45,6 +45,9 @@ def _tier_options(p: argparse.ArgumentParser):
                    help="do not pin experts from the routing history saved next to the model")
     g.add_argument("--no-prefetch", action="store_true",
                    help="turn off the router-lookahead prefetch of the next layer's experts")
+    g.add_argument("--lazy-experts", action="store_true",
+                   help="when every expert fits in the budget, read each on its first use instead of all "
+                        "at start-up (a faster start for a short job; slower first tokens)")
     g.add_argument("--direct", action="store_true",
                    help="read expert payloads with O_DIRECT, bypassing the OS page cache")
     g.add_argument("--io-threads", type=int, default=4, metavar="N",

@@ -88,7 +88,8 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
     from .draft import DraftPolicy
     cfg = model.cfg
     tiers = _tiers.configure(model, need, requested=args.cache_experts, ram_gb=args.ram, pin=args.pin,
-                             pin_gb=args.pin_gb, autopin=not args.no_autopin, prefetch=not args.no_prefetch)
+                             pin_gb=args.pin_gb, autopin=not args.no_autopin, prefetch=not args.no_prefetch,
+                             warm=not args.lazy_experts)
     if not args.quiet:
         print(tiers.summary(), file=sys.stderr)
     sampler = Sampler(cfg.vocab, args.temperature, args.top_p, args.seed)
@@ -184,6 +185,7 @@ def tier_stats(model, tiers, wall_s: float) -> dict:
         "prefetch_dropped": cs["prefetch_dropped"], "prefetch_recall": cs["prefetch_recall"],
         "pinned_experts": cs["pinned_experts"], "pinned_bytes": cs["pinned_bytes"],
         "cache_experts": model.cache_experts, "ram_budget_bytes": plan.budget_bytes,
+        "warm_experts": tiers.warmed, "warm_bytes": tiers.warmed_bytes, "warm_s": tiers.warm_s,
         "projected_peak_bytes": plan.projected_peak_bytes,
         "time_disk_wait_s": t_disk, "time_expert_matmul_s": t_moe, "time_attention_s": t_attn,
         "moe_calls_overlapped": model.overlapped_calls,

@@ -1012,6 +1012,8 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None,
                    help="turn off the router-lookahead prefetch")
     g.add_argument("--direct", action="store_true", default=None, help="O_DIRECT expert reads")
+    g.add_argument("--lazy-experts", dest="warm_experts", action="store_false", default=None,
+                   help="read experts on first use even when all fit in the budget")
     g.add_argument("--draft", default=None, metavar="N|auto", help="speculative draft depth (default auto)")
     g.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="completion tokens of a request that sets no max_tokens (default 256)")
@@ -1022,7 +1024,7 @@ def add_arguments(p: argparse.ArgumentParser):
 
 _OPTION_ARGS = {"cache_experts": "cache_experts", "ram": "ram_gb", "context": "context", "threads": "threads",
                 "io_threads": "io_threads", "idot": "idot", "pin": "pin", "pin_gb": "pin_gb",
-                "autopin": "autopin", "prefetch": "prefetch", "direct": "direct", "draft": "draft",
+                "autopin": "autopin", "prefetch": "prefetch", "direct": "direct", "warm_experts": "warm_experts", "draft": "draft",
                 "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p"}
 
 

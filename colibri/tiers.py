@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,12 +111,18 @@ class Tiers:
     usage_file: str = ""
     history: np.ndarray = None
     history_total: int = 0
+    warmed: int = 0
+    warmed_bytes: int = 0
+    warm_s: float = 0.0
     notes: list = field(default_factory=list)
 
     def summary(self) -> str:
         s = self.plan.summary()
         if self.pinned:
             s += f"\n[PIN] hot-store: {self.pinned} experts in RAM ({self.pinned_bytes / 1e6:.1f} MB) from {self.pin_source}"
+        if self.warmed:
+            s += (f"\n[RAM] every expert fits: {self.warmed} read at start-up ({self.warmed_bytes / 1e6:.1f} MB "
+                  f"in {self.warm_s:.2f}s; --lazy-experts reads them on first use)")
         for n in self.notes:
             s += f"\n[RAM] {n}"
         return s
@@ -133,14 +140,17 @@ class Tiers:
 
 
 def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin_gb=None,
-              autopin: bool = True, prefetch: bool = True, learn: bool = True, runtime=None) -> Tiers:
+              autopin: bool = True, prefetch: bool = True, learn: bool = True, runtime=None,
+              warm: bool = True, progress=None) -> Tiers:
     """Size the expert cache for the RAM budget and pin experts; see the module docstring.
 
     requested: experts per layer asked for (0 = as many as the budget allows, up to all);
     ram_gb: the budget in GB (default 0.88 × available memory); pin/pin_gb: explicit pins from a
     stats file (``layer eid count`` lines); autopin: pin from the saved routing history;
     learn: keep the history file up to date (``Tiers.save_usage``); runtime: bytes the process holds
-    besides the model (default: measured, see ``runtime_bytes``)."""
+    besides the model (default: measured, see ``runtime_bytes``); warm: when the budget holds every
+    routed expert, read them all now (``warm_all``; progress(done, total) after
+    each) rather than on their first use mid-generation."""
     c = model.cfg
     rows = expert_bytes_by_row(model)
     main = [b for b in rows[:c.n_layers] if b > 0]
@@ -196,7 +206,31 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
         model.cache.set_keep_bytes(plan.page_cache_reserve_bytes)
     model.cache_experts = plan.capacity
     model.pilot = bool(prefetch) and plan.capacity < c.n_experts
+    if warm and plan.capacity >= c.n_experts:
+        t0 = time.perf_counter()
+        t.warmed, t.warmed_bytes = warm_all(model, progress)
+        t.warm_s = time.perf_counter() - t0
     return t
+
+
+def warm_all(model, progress=None):
+    """Read every routed expert of the MoE layers and of the MTP head into the cache
+    (ExpertCache.warm): (experts read, their bytes). With a tqdm bar on a terminal when progress is
+    None."""
+    c = model.cfg
+    rows = [layer for layer in range(c.n_layers) if c.sparse[layer]] + ([c.n_layers] if model.has_mtp else [])
+    items = [(layer, e) for layer in rows for e in range(c.n_experts)]
+    bar = None
+    if progress is None and items:
+        from tqdm import tqdm
+        bar = tqdm(total=len(items), unit="expert", desc="[colibri] reading experts", disable=None,
+                   leave=False, file=sys.stderr)
+        progress = lambda done, total: bar.update(1) if total else None  # noqa: E731
+    try:
+        return model.cache.warm(items, progress)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _gb(x):

@@ -294,6 +294,35 @@ def test_pin_load_error_names_layer_and_expert():
     c.close()
 
 
+def test_warm_fills_rows_up_to_capacity_without_counting_requests():
+    c, ld = make(capacity=3, nbytes=100)
+    c.pin([(0, 1)])
+    c.get(1, [2])
+    c.reset_stats()
+    c.reset_usage()
+    seen = []
+    n, nb = c.warm([(0, e) for e in range(6)] + [(1, 2), (1, 3)], progress=lambda d, t: seen.append((d, t)))
+    assert (n, nb) == (4, 400)                      # row 0: 3 of 0, 2, 3, 4, 5 (1 is pinned); row 1: 3
+    assert c.lru_order(0) == [0, 2, 3] and c.lru_order(1) == [2, 3] and c.pinned(0) == [1]
+    assert seen[-1] == (4, 4) and ld.count((1, 2)) == 1
+    s = c.stats
+    assert s["loads"] == 4 and s["misses"] == 0 and s["hits_lru"] == 0 and not c.usage.any()
+    c.get(0, [0, 2, 3])
+    assert c.stats["hits_lru"] == 3 and c.stats["misses"] == 0
+    assert c.warm([(0, 4)]) == (0, 0)               # the row is full
+    c.close()
+
+
+def test_warm_load_error_names_the_expert_and_keeps_the_others():
+    c, ld = make(capacity=4)
+    ld.fail[(0, 2)] = 1
+    with pytest.raises(DiskError, match=r"expert 2 of layer 0"):
+        c.warm([(0, 1), (0, 2), (0, 3)])
+    assert sorted(c.lru_order(0)) == [1, 3]
+    assert c.get(0, [2])[0].eid == 2                # read on demand afterwards
+    c.close()
+
+
 # -- errors ----------------------------------------------------------------------------------------
 
 def test_loader_error_in_get_propagates_with_layer_and_expert():

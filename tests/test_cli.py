@@ -127,11 +127,13 @@ def test_run_with_mtp_drafts(tmp_path):
 
 def test_run_records_a_routing_trace(tmp_path):
     """--trace: one JSON line per MoE layer call, the experts each call requested, consistent with
-    the expert counters (with every expert cached, each distinct (layer, expert) loads once)."""
+    the expert counters (with every expert cached and read on first use, --lazy-experts, each distinct
+    (layer, expert) loads once)."""
     ref = json.loads((DATA / "tiny_dense" / "ref.json").read_text())
     trace, stats = tmp_path / "t.jsonl", tmp_path / "s.json"
     colibri("run", "--model", DATA / "tiny_dense", "--prompt-ids", ",".join(map(str, ref["prompt_ids"])),
-            "--max-tokens", 12, "--temperature", 0, "--draft", 0, "--trace", trace, "--stats-json", stats)
+            "--max-tokens", 12, "--temperature", 0, "--draft", 0, "--trace", trace, "--stats-json", stats,
+            "--lazy-experts")
     lines = [json.loads(x) for x in trace.read_text().splitlines()]
     head, calls = lines[0], lines[1:]
     cfg = json.loads((DATA / "tiny_dense" / "config.json").read_text())
@@ -145,6 +147,27 @@ def test_run_records_a_routing_trace(tmp_path):
         assert 1 <= len(c["e"]) <= min(c["s"] * head["topk"], head["n_experts"])
     assert sum(len(c["e"]) for c in calls) == s["expert_hits"] + s["expert_misses"]
     assert len({(c["l"], e) for c in calls for e in c["e"]}) == s["expert_misses"]
+    assert s["warm_experts"] == 0
+
+
+def test_run_reads_every_expert_at_start_when_all_fit(tmp_path):
+    """Every expert fits the budget: run reads them all before the prompt (no miss while generating,
+    the same tokens as reading them on first use); a partial cache reads none up front."""
+    ref = json.loads((DATA / "tiny_dense" / "ref.json").read_text())
+    cfg = json.loads((DATA / "tiny_dense" / "config.json").read_text())
+    n_moe = sum(1 for t in cfg["mlp_layer_types"] if t == "sparse")
+    got = {}
+    for name, extra in (("warm", ()), ("lazy", ("--lazy-experts",)), ("partial", ("--cache-experts", "2"))):
+        stats = tmp_path / f"{name}.json"
+        p = colibri("run", "--model", DATA / "tiny_dense", "--prompt-ids", ",".join(map(str, ref["prompt_ids"])),
+                    "--max-tokens", 12, "--temperature", 0, "--draft", 0, "--stats-json", stats, *extra)
+        got[name] = (json.loads(stats.read_text()), p.stderr)
+    warm, err = got["warm"]
+    assert warm["warm_experts"] == n_moe * cfg["n_routed_experts"] and warm["warm_bytes"] > 0
+    assert warm["expert_misses"] == 0 and warm["bytes_read"] == 0
+    assert f"every expert fits: {warm['warm_experts']} read at start-up" in err
+    assert got["lazy"][0]["expert_misses"] > 0 and got["partial"][0]["warm_experts"] == 0
+    assert warm["tokens"] == got["lazy"][0]["tokens"] == got["partial"][0]["tokens"]
 
 
 @pytest.mark.parametrize("env,want", [({"COLIBRI_SPIN": "off"}, "passive"), ({"COLIBRI_SPIN": "on"}, "spin 10000"),
