@@ -939,7 +939,7 @@ cdef void ffn_group(FfnJob *jobs, int nj, int npairs, int nwork, const float *x,
             int_group(J.down, w % n_groups(D), J.nr, hq + J.hq0, hs + J.hs0, J.nbI, J.blkI, idot, yd + J.y0,
                       (hm + J.hs0) if hm != NULL else NULL, (hg + J.hg0) if hg != NULL else NULL, hgs)
         if accumulate:
-            for i in prange(D, schedule='static'):
+            for i in prange(n_col_blocks(D), schedule='static'):
                 add_ffn_outputs(jobs, NULL, nj, urow, uw, False, D, yd, out, i)
 
 
@@ -950,19 +950,31 @@ cdef void ffn_accumulate(const FfnJob *jobs, const int *order, int nj, const int
     groups (the experts present first, those read from disk meanwhile after), so the sum is the
     one a single group makes, bit for bit."""
     cdef int i
-    for i in prange(D, schedule='static', nogil=True, num_threads=nt):
+    for i in prange(n_col_blocks(D), schedule='static', nogil=True, num_threads=nt):
         add_ffn_outputs(jobs, order, nj, urow, uw, True, D, yd, out, i)
+
+
+cdef enum:
+    COL_BLOCK = 64      # output columns per work item of the FFN sums (add_ffn_outputs)
+
+
+cdef inline int n_col_blocks(int D) noexcept nogil:
+    return (D + COL_BLOCK - 1) // COL_BLOCK
 
 
 cdef inline void add_ffn_outputs(const FfnJob *jobs, const int *order, int nj, const int *urow,
                                  const float *uw, bint absolute, int D, const float *yd, float *out,
-                                 int i) noexcept nogil:
-    """Column i of out[urow[p], :] += uw[p] · y_p for the pairs of jobs order[0], order[1], ...
-    (order NULL: 0, 1, ...), pairs counted from J.pabs (absolute) or J.row0. The running sum of an
-    output stays in a register while consecutive pairs add into its row (decode: all of them), the
-    same float additions in the same order as one memory update each."""
-    cdef int j, r, p, row = -1
-    cdef float acc = 0.0
+                                 int b) noexcept nogil:
+    """Columns COL_BLOCK·b .. of out[urow[p], :] += uw[p] · y_p for the pairs of jobs order[0],
+    order[1], ... (order NULL: 0, 1, ...), pairs counted from J.pabs (absolute) or J.row0. Each
+    output element gets the same float additions in the same order (pair by pair) whatever the
+    blocking; the running sums of a block stay in acc [COL_BLOCK] while consecutive pairs add into
+    the same row (decode: all of them), and the inner loops run over contiguous columns."""
+    cdef float acc[COL_BLOCK]
+    cdef int j, r, p, k, row = -1, i0 = b * COL_BLOCK
+    cdef int n = D - i0 if D - i0 < COL_BLOCK else COL_BLOCK
+    cdef float w
+    cdef const float *y
     cdef const FfnJob *J
     for j in range(nj):
         J = &jobs[order[j] if order != NULL else j]
@@ -970,12 +982,15 @@ cdef inline void add_ffn_outputs(const FfnJob *jobs, const int *order, int nj, c
         for r in range(J.nr):
             if urow[p + r] != row:
                 if row >= 0:
-                    out[<Py_ssize_t>row * D + i] = acc
+                    memcpy(out + <Py_ssize_t>row * D + i0, acc, n * sizeof(float))
                 row = urow[p + r]
-                acc = out[<Py_ssize_t>row * D + i]
-            acc = acc + uw[p + r] * yd[J.y0 + <Py_ssize_t>r * D + i]
+                memcpy(acc, out + <Py_ssize_t>row * D + i0, n * sizeof(float))
+            w = uw[p + r]
+            y = yd + J.y0 + <Py_ssize_t>r * D + i0
+            for k in range(n):
+                acc[k] = acc[k] + w * y[k]
     if row >= 0:
-        out[<Py_ssize_t>row * D + i] = acc
+        memcpy(out + <Py_ssize_t>row * D + i0, acc, n * sizeof(float))
 
 
 cdef class FfnScratch:
