@@ -3319,9 +3319,11 @@ cdef void attend_step(LayerStep *P) noexcept nogil:
                 k = k + 1
             group_of(P.ins[k], g - starts[k], P, P.ins_y[k])
         # 3. the KV rows of these positions; q_a's norm, quantized for q_b (and wq); the indexer
-        # keys; the indexer's head weights when wp is a float matrix
+        # keys; the indexer's head weights when wp is a float matrix. Items in the order 1, 3, 0, 2:
+        # two threads get q_a's norm and quantization (the longest) and the KV rows with the keys
         for item in prange(4, schedule='static'):
-            if item == 0:
+            k = (2 * item + 1) % 5
+            if k == 0:
                 for s in range(S):
                     pos = P.pos_base + s
                     rmsnorm_row(P.Lc + <Py_ssize_t>pos * P.Lkv, P.ckv + <Py_ssize_t>s * (P.Lkv + P.dr),
@@ -3329,18 +3331,18 @@ cdef void attend_step(LayerStep *P) noexcept nogil:
                     memcpy(P.Rc + <Py_ssize_t>pos * P.dr, P.ckv + <Py_ssize_t>s * (P.Lkv + P.dr) + P.Lkv,
                            P.dr * sizeof(float))
                     rope_interleave(P.Rc + <Py_ssize_t>pos * P.dr, P.dr, pos, P.inv)
-            elif item == 1:
+            elif k == 1:
                 for s in range(S):
                     rmsnorm_row(P.qr + <Py_ssize_t>s * P.Lq, P.qr + <Py_ssize_t>s * P.Lq, P.qa_ln, P.Lq, P.leps)
                 quant_split(P.qr, S, P.Lq, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
                             wants_split_of(P.q_b, P) or (select and wants_split_of(P.iwq, P)))
-            elif item == 2 and P.Ic != NULL:
+            elif k == 2 and P.Ic != NULL:
                 for s in range(S):
                     pos = P.pos_base + s
                     layernorm_row(P.ik + <Py_ssize_t>s * P.ihd, P.ik_w, P.ik_b, P.ihd, P.ieps)
                     rope_interleave(P.ik + <Py_ssize_t>s * P.ihd, P.dr, pos, P.inv)
                     memcpy(P.Ic + <Py_ssize_t>pos * P.ihd, P.ik + <Py_ssize_t>s * P.ihd, P.ihd * sizeof(float))
-            elif item == 3 and select and not P.wp_grouped:
+            elif k == 3 and select and not P.wp_grouped:
                 for s in range(S):
                     for h in range(P.inh):
                         P.iw[s * P.inh + h] = qt_rowdot_f(P.iwp, h, P.n + <Py_ssize_t>s * D)

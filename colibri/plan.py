@@ -531,7 +531,9 @@ def format_report(rep: dict) -> str:
         cap = ram["capacity"]
         L.append(f"RAM plan  budget {_fmt(ram['budget_bytes'])} ({ram['budget_source']}): "
                  f"{cap} of {ram['n_experts']} experts cached per layer"
-                 + (" (experts stream from disk)" if ram["streaming"] else " (all cached)"))
+                 + (" (experts stream from disk)" if ram["streaming"] else
+                    f" (all cached: run reads their {_fmt(ex['total_disk_bytes'])} at start-up, or on first "
+                    "use with --lazy-experts)"))
         L.append(f"  projected peak {_fmt(ram['projected_peak_bytes'])} = resident {_fmt(ram['resident_bytes'])}"
                  f" + KV {_fmt(ram['kv_bytes'])} + work/runtime {_fmt(ram['work_bytes'])}"
                  f" + buffers {_fmt(ram['buffers_bytes'])} + LRU {_fmt(ram['lru_bytes'])}"
