@@ -1696,8 +1696,11 @@ cdef class Model:
 
     # -- experts -------------------------------------------------------------------------------
 
-    def expert_load(self, int li, int eid):
-        """Read expert eid of layer li from disk: one pread when its three payloads are contiguous."""
+    def expert_load(self, int li, int eid, bint own=False):
+        """Read expert eid of layer li from disk: one pread when its three payloads are contiguous.
+        own: in memory of its own (never a view of the file mapping) with its matrices laid out for
+        the tiles (_lay_out), for an expert that stays resident the whole run (tiers.warm_all);
+        bit-identical results either way."""
         c = self.cfg
         p = f"model.layers.{li}.mlp.experts.{eid}."
         names = [p + m + ".weight" for m in ("gate_proj", "up_proj", "down_proj")]
@@ -1705,11 +1708,19 @@ cdef class Model:
         st = self.st
         self._io.start()
         try:
-            return self._expert_read(li, eid, names, shapes)
+            E = self._expert_read(li, eid, names, shapes, own)
         finally:
             self._io.stop()
+        if own:
+            for W in (E.gate, E.up, E.down):
+                self._lay_out(W)
+        return E
 
-    def _expert_read(self, int li, int eid, names, shapes):
+    def expert_own(self, int li, int eid):
+        """expert_load(li, eid, own=True): the loader of experts read once for the whole run."""
+        return self.expert_load(li, eid, True)
+
+    def _expert_read(self, int li, int eid, names, shapes, bint own=False):
         c = self.cfg
         st = self.st
         E = Expert()
@@ -1718,7 +1729,7 @@ cdef class Model:
             lay = self._expert_layouts.get((li, eid))
             if lay is None:
                 lay = self._expert_layouts[(li, eid)] = _ExpertLayout(st, names)
-            if self.mapped:
+            if self.mapped and not own:
                 return self._expert_mapped(eid, lay, names, shapes)
             slab, base = self._read_payloads(lay)
             scales = self._read_scales(lay)

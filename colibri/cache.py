@@ -83,9 +83,9 @@ _FLOAT_COUNTERS = ("load_s", "wait_s")
 
 class _Pending:
     """One load in progress: who started it, and its outcome once ``event`` is set."""
-    __slots__ = ("layer", "eid", "kind", "protect", "event", "obj", "error", "waiters")
+    __slots__ = ("layer", "eid", "kind", "protect", "event", "obj", "error", "waiters", "loader")
 
-    def __init__(self, layer, eid, kind, protect=frozenset()):
+    def __init__(self, layer, eid, kind, protect=frozenset(), loader=None):
         self.layer = layer
         self.eid = eid
         self.kind = kind                # "get", "pin", "warm" or "prefetch"
@@ -94,6 +94,7 @@ class _Pending:
         self.obj = None
         self.error = None
         self.waiters = 0                # get() calls waiting for this load
+        self.loader = loader            # None: the cache's loader
 
 
 class _Entry:
@@ -256,7 +257,7 @@ class ExpertCache:
         t0 = time.perf_counter()
         obj = err = None
         try:
-            obj = self.loader(p.layer, p.eid)
+            obj = (p.loader or self.loader)(p.layer, p.eid)
             nbytes = int(obj.nbytes)
         except BaseException as e:          # published to the waiters; re-raised below if fatal
             err = e
@@ -431,13 +432,13 @@ class ExpertCache:
             raise _with_context(first_err.error, first_err.layer, first_err.eid) from first_err.error
         return added
 
-    def warm(self, items, progress=None) -> int:
+    def warm(self, items, progress=None, loader=None) -> tuple:
         """Load (layer, eid) pairs into their rows' LRU before any call needs them (a model whose
         every expert fits in the budget is read once at start-up, as llama.cpp maps and populates
         its whole file): in parallel on the I/O pool, no usage or hit/miss counted (loads and bytes
         read are). Pairs already held (pinned, in the LRU or kept) are skipped, and a row is never
-        filled beyond its capacity. progress(done, total) as pin()'s. Returns (experts placed, their
-        bytes).
+        filled beyond its capacity. progress(done, total) as pin()'s; loader (default: the cache's)
+        reads them, with the same contract. Returns (experts placed, their bytes).
         Loads that fail leave their pairs to be read on demand; the first failure is raised."""
         self._open()
         pairs = list(dict.fromkeys(self._check(layer, eid) for layer, eid in items))
@@ -449,7 +450,7 @@ class ExpertCache:
                     continue
                 if room[layer] > 0:
                     room[layer] -= 1
-                    todo.append(_Pending(layer, eid, "warm"))
+                    todo.append(_Pending(layer, eid, "warm", loader=loader))
         self._load_all(todo, progress)
         placed = added = 0
         first_err = None

@@ -68,6 +68,35 @@ def test_every_tier_setting_is_bit_identical(int4):
             assert m.expert_misses > 0 and m.bytes_read > 0, name
 
 
+@pytest.mark.parametrize("idot", [1, 2])
+def test_experts_read_at_start_are_own_laid_out_and_exact(int4, idot):
+    """Every expert fits: configure reads them all (warm) into memory of their own, rows laid out
+    for the tiles where the integer kernels read them so (AVX-512 VNNI), never file views; the
+    logits equal those of experts used in place from the mapping, read on first use."""
+    from colibri import _core
+    m = model_init(int4, idot=idot)
+    t = tiers.configure(m, 64, autopin=False)
+    cfg = m.cfg
+    moe = [layer for layer in range(cfg.n_layers) if cfg.sparse[layer]]
+    assert t.warmed == len(moe) * cfg.n_experts and t.warmed_bytes > 0 and t.warm_s >= 0
+    assert all(m.cache.tier(layer, e) == "lru" for layer in moe for e in range(cfg.n_experts))
+    E = m.cache.get(moe[0], [0])[0]
+    assert getattr(E, "mapped", None) is None
+    assert E.gate.interleaved == (_core.isa_active() == "avx512vnni")
+    m.reset_stats()
+    ref = json.loads((DATA / "tiny_dsa" / "ref.json").read_text())
+    ids = list(ref["prompt_ids"])
+    m.kv_alloc(len(ids) + 9)
+    warm = [m.step(ids, 0)] + [m.step([5 + i], len(ids) + i) for i in range(8)]
+    assert m.expert_misses == 0
+    lazy = model_init(int4, idot=idot)
+    tiers.configure(lazy, 64, autopin=False, warm=False)
+    lazy.kv_alloc(len(ids) + 9)
+    plain = [lazy.step(ids, 0)] + [lazy.step([5 + i], len(ids) + i) for i in range(8)]
+    assert lazy.expert_misses > 0
+    assert np.array_equal(np.stack(warm), np.stack(plain))
+
+
 def test_present_experts_are_multiplied_during_reads_exactly(int4, monkeypatch):
     """With experts streaming, an MoE call multiplies the experts already present (and the shared
     one) while the others are read, then sums in the plain order: bit-identical to the plain call
