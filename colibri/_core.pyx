@@ -2737,11 +2737,11 @@ cdef class Model:
         with resident experts used in place."""
         cdef int l, nu
         cdef int[::1] rec_nu = self._rec[0]
-        cdef int[:, ::1] rec_ids = self._rec[1]
+        rec_ids = self._rec[1]
         for l in range(l0, l1):
             nu = rec_nu[l]
             if nu >= 0:
-                ids = [rec_ids[l, i] for i in range(nu)]
+                ids = rec_ids[l, :nu].tolist()
                 self.cache.note_hits(l, ids)
                 if self.trace is not None:
                     self.trace.append((self.forwards, l, S, ids))

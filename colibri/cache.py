@@ -164,7 +164,7 @@ class ExpertCache:
     prefetch: False turns ``prefetch()`` into a no-op (no background thread is ever started).
     n_experts: routed experts per row (bounds the expert ids and sizes ``usage``).
 
-    ``usage`` (numpy int64 [n_rows, n_experts]) counts every requested expert: each element of the
+    ``usage`` (numpy int64 [n_rows, n_experts], a snapshot) counts every requested expert: each element of the
     ``eids`` list of every ``get()`` call, duplicates included (pass every row's selection to count
     routed selections, or the batch union to count loads). It is not cleared by ``reset_stats()``
     (usage learning accumulates it), only by ``reset_usage()``.
@@ -204,7 +204,7 @@ class ExpertCache:
         # Called with the row at the start of every fetch(), outside the lock: raises to refuse the
         # call when the experts the cache holds can no longer be used (e.g. their file shrank).
         self.guard = None
-        self.usage = np.zeros((n_rows, n_experts), np.int64)
+        self._usage = [[0] * n_experts for _ in range(n_rows)]    # per-call increments stay in Python ints
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)     # prefetch queue / worker state
@@ -529,7 +529,7 @@ class ExpertCache:
         st = self._st
         if self._closed:
             raise RuntimeError("ExpertCache is closed")
-        row = self.usage[layer]
+        row = self._usage[layer]
         for e in eids:
             row[e] += 1
         if self._queue:
@@ -548,6 +548,12 @@ class ExpertCache:
             st["lookahead_true"] += len(distinct)
             st["lookahead_hit"] += sum(1 for e in distinct if e in pred)
         st["requests"] += len(distinct)
+
+    @property
+    def usage(self) -> np.ndarray:
+        """The routing counts (int64 [n_rows, n_experts], see the class docstring): a copy."""
+        with self._lock:
+            return np.array(self._usage, np.int64)
 
     def note_hits(self, layer: int, eids) -> None:
         """Account a call whose experts were all resident and used in place (the engine's C path
@@ -875,7 +881,7 @@ class ExpertCache:
 
     def reset_usage(self) -> None:
         with self._lock:
-            self.usage[:] = 0
+            self._usage = [[0] * self.n_experts for _ in range(self.n_rows)]
 
     @property
     def stats(self) -> dict:
