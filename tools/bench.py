@@ -402,6 +402,23 @@ def measure_read_bandwidth(buf, repeats: int = 5) -> dict:
             "memory_bound": methods[best]["in_cache_gbs_2threads"] >= MEMORY_BOUND * methods[best]["gbs_2threads"]}
 
 
+def measure_read_2threads(nbytes: int = 1 << 30, repeats: int = 3) -> dict:
+    """The engine-only rounds' streaming-read probe: READ_PASSES' reductions over a ``nbytes``
+    array (its pages faulted in), two threads (one half each), read bytes counted, best of
+    ``repeats``; ``gbs``: the faster pass."""
+    import numpy as np
+    from concurrent.futures import ThreadPoolExecutor
+
+    buf = np.ones(nbytes // 8, dtype=np.float64)
+    passes = OrderedDict()
+    with ThreadPoolExecutor(2) as two:
+        for name, dtype in READ_PASSES:
+            v = buf.view(dtype)
+            half = v.size // 2
+            passes[name] = v.nbytes / _best_seconds(np.add.reduce, [v[:half], v[half:]], two, repeats) / 1e9
+    return {"gbs": max(passes.values()), "passes": passes}
+
+
 def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
     """Memory bandwidth of a ``nbytes`` array: numpy copies (read + write bytes counted) and
     read-only reductions (``read``: see measure_read_bandwidth).
@@ -790,6 +807,38 @@ def _vs_peer_line(res: dict, name: str, target: float) -> dict:
     return _line(must, text, ratio, f"≥ {target:.2f}×", lambda x: x >= target)
 
 
+def _read_share_line(res: dict, ref: Optional[dict]) -> dict:
+    """int4 all cached: weight bytes per second ÷ the 2-thread streaming read. From the
+    engine-only rounds when they measured the read (each round's decode ÷ the same round's read,
+    the median over the rounds: the host's speed moves within minutes, so both sides are taken
+    together), else from the main table and the read measured at the start."""
+    must = (f"{CONTAINERS['int4']['label']} all cached ≥ {100 * READ_SHARE:.0f}% of the 2-thread streaming-read "
+            "bandwidth in weight bytes per second")
+    target = f"≥ {100 * READ_SHARE:.0f}%"
+    bpt = (_bpts(res).get("int4") or {}).get("total")
+    read0 = ((res.get("bandwidth") or {}).get("read") or {}).get("gbs")
+    gbs0 = weight_gbs(res, ref) if ref is not None else None
+    main = (f"main table {fmt_bytes(bpt)}/token × {fmt_num(ref['decode_tok_s'], 2)} tok/s = {gbs0:.2f} GB/s of "
+            f"{read0:.2f} GB/s read at the start ({100 * gbs0 / read0:.1f}%)") if gbs0 and read0 and bpt else None
+    name = next(iter(((res.get("engine_rounds") or {}).get("colibri") or {})), None)
+    rounds = [(bpt * r["decode_tok_s"][name] / 1e9, r["read_gbs"])
+              for r in (res.get("engine_rounds") or {}).get("read_rounds", [])
+              if bpt and name and r["decode_tok_s"].get(name) and r.get("read_gbs")]
+    if rounds:
+        shares = [g / b for g, b in rounds]
+        text = (f"{fmt_bytes(bpt)}/token × colibri's tg{res.get('params', {}).get('tokens')} ÷ the streaming read of "
+                f"the same round, {len(rounds)} round{'' if len(rounds) == 1 else 's'}: "
+                f"{statistics.median(g for g, _ in rounds):.2f} GB/s of {statistics.median(b for _, b in rounds):.2f} "
+                f"GB/s (medians), per round {100 * min(shares):.1f}–{100 * max(shares):.1f}%"
+                + (f"; {main}" if main else ""))
+        line = _line(must, text, statistics.median(shares), target, lambda x: x >= READ_SHARE)
+    else:
+        line = _line(must, main, gbs0 / read0 if main else None, target, lambda x: x >= READ_SHARE)
+    if line["ratio"] is not None:
+        line["ratio_text"] = f"{100 * line['ratio']:.1f}%"
+    return line
+
+
 def verdict_rows(res: dict) -> List[dict]:
     """Issue 12's "what must hold" lines with this run's figures: {'must_hold', 'measured',
     'ratio', 'target', 'holds' (True/False, None = not measured or no bar)}."""
@@ -798,17 +847,7 @@ def verdict_rows(res: dict) -> List[dict]:
     ref = next((r for r in col if r.get("ref")), None)
     ok = lambda r: r is not None and not r.get("error")  # noqa: E731
     out = [_vs_peer_line(res, "int4", INT4_OVER_Q4_0)]
-    read = ((res.get("bandwidth") or {}).get("read") or {}).get("gbs")
-    gbs = weight_gbs(res, ref) if ok(ref) else None
-    must = (f"{CONTAINERS['int4']['label']} all cached ≥ {100 * READ_SHARE:.0f}% of the 2-thread streaming-read "
-            "bandwidth in weight bytes per second")
-    out.append(_line(must, None if gbs is None or not read else
-                     f"{fmt_bytes(res['bytes_per_token']['total'])}/token × {fmt_num(ref['decode_tok_s'], 2)} tok/s "
-                     f"(main table) = {gbs:.2f} GB/s; streaming read {read:.2f} GB/s",
-                     None if gbs is None or not read else gbs / read, f"≥ {100 * READ_SHARE:.0f}%",
-                     lambda x: x >= READ_SHARE))
-    if out[-1]["ratio"] is not None:
-        out[-1]["ratio_text"] = f"{100 * out[-1]['ratio']:.1f}%"
+    out.append(_read_share_line(res, ref if ok(ref) else None))
     out.append(_vs_peer_line(res, "int8", INT8_OVER_Q8_0))
     paged = next((r for r in col if r.get("cached") == "4 (page cache)"), None)
     must = f"4 experts/layer from the page cache ≥ {PAGED_OVER_ALL:.1f}× colibri's all-cached decode"
@@ -1667,6 +1706,9 @@ def llama_bench_once(build: dict, gguf: str, threads: int, lens: Sequence[int], 
         return {"error": f"llama-bench: {e}: " + last_error_line(r.stderr + "\n" + r.stdout)}
 
 
+READ_STEP = "streaming read"      # the engine-only rounds' bandwidth probe (measure_read_2threads)
+
+
 def run_engine_rounds(variants: List[dict], lb_rows: List[dict], build: dict, prompt: List[int],
                       long_prompt: List[int], args, work: str) -> dict:
     """colibri (every expert cached, each of ``variants``: colibri_variants with 'path' and
@@ -1695,6 +1737,9 @@ def run_engine_rounds(variants: List[dict], lb_rows: List[dict], build: dict, pr
                 what=f"colibri {v['name']} {L}-token prompt (engine-only round)")))
     lb_steps = [(r["weights"], (lambda g=r["gguf"]: llama_bench_once(build, g, args.threads, lens, N, args.timeout)))
                 for r in lb_rows]
+    # the machine's streaming read, measured in every round beside the engines it is compared with
+    lb_steps.append((READ_STEP, lambda: worker_result(_run([sys.executable, os.path.abspath(__file__), "--worker",
+                                                            "read"], what="streaming read (engine-only round)"))))
     for name, step in colibri_steps:  # warm-up: page cache, first-process costs
         got = step()
         if "error" in got:
@@ -1736,6 +1781,18 @@ def run_engine_rounds(variants: List[dict], lb_rows: List[dict], build: dict, pr
                                                   build.get("repack_off", False)))
         row["note"] = llama_bench_note(merged, L, build.get("amx_note", ""))
     out["colibri"] = OrderedDict((v["name"], colibri_figures(v, kept, errors, lb_rows, P, N, L)) for v in variants)
+    # per round: the streaming read and each variant's decode rate (for the bandwidth share)
+    out["read_rounds"] = []
+    for r in kept:
+        got = r["results"].get(READ_STEP)
+        if not got or got.get("error"):
+            continue
+        rates = OrderedDict()
+        for v in variants:
+            src = r["results"].get(f"colibri {v['name']}")
+            if src:
+                rates[v["name"]] = colibri_rates(src)[1]
+        out["read_rounds"].append({"read_gbs": got["gbs"], "decode_tok_s": rates})
     return out
 
 
@@ -1946,7 +2003,8 @@ def llama_bench_method_note(info: dict, rows: List[dict], args) -> str:
             + f" once per round, {built}, cmake -DGGML_NATIVE=ON Release, target llama-bench only; "
             + (info.get("amx_note") or "") + knobs + ". Each round runs each colibri variant (all experts cached: the "
             f"{args.prompt_len}-token prompt and {args.tokens} tokens, then a {args.long_prompt}-token prompt) and "
-            "llama-bench on each GGUF, the order reversed every other round; llama-bench's figures pool its "
+            "llama-bench on each GGUF, and a 2-thread streaming read of a 1-GiB array (the bandwidth line's "
+            "divisor, round by round), the order reversed every other round; llama-bench's figures pool its "
             "samples over the rounds with its own statistics (mean, sample stddev). ppN = an N-token prompt in "
             "one batch, tgN = N single-token decodes, both from an empty context, no sampling (the engine "
             "alone, no Python); colibri's tgN is its decode tok/s after the prompt. llama-cpp-python rows: the "
@@ -2133,7 +2191,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra runs allowed per configuration to replace runs during which other "
                          "processes took >= 15%% of the CPUs (default 3)")
     # internal: worker subprocesses
-    ap.add_argument("--worker", choices=("hf", "llama", "gguf-convert", "quantize", "pad", "bandwidth"),
+    ap.add_argument("--worker", choices=("hf", "llama", "gguf-convert", "quantize", "pad", "bandwidth", "read"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="f32", help=argparse.SUPPRESS)
     ap.add_argument("--prompt-ids", default=None, help=argparse.SUPPRESS)
@@ -2158,6 +2216,8 @@ def worker_main(args) -> int:
         emit_worker_result(pad_indexer_for_llama(args.model, args.out))
     elif args.worker == "bandwidth":
         emit_worker_result(measure_bandwidth())
+    elif args.worker == "read":
+        emit_worker_result(measure_read_2threads())
     elif args.worker == "quantize":
         emit_worker_result(quantize_worker(args.model, args.out, args.outtype, args.threads))
     return 0
