@@ -95,6 +95,11 @@ def test_experts_read_at_start_are_own_laid_out_and_exact(int4, idot):
     plain = [lazy.step(ids, 0)] + [lazy.step([5 + i], len(ids) + i) for i in range(8)]
     assert lazy.expert_misses > 0
     assert np.array_equal(np.stack(warm), np.stack(plain))
+    # a prompt past the prefill chunk (256 rows: experts read 8 at a time, chunked FFNs)
+    long_ids = [(i * 37) % (cfg.vocab - 2) + 2 for i in range(300)]
+    for mm in (m, lazy):
+        mm.kv_alloc(301)
+    assert np.array_equal(m.step_all(long_ids, 0), lazy.step_all(long_ids, 0))
 
 
 def test_present_experts_are_multiplied_during_reads_exactly(int4, monkeypatch):
