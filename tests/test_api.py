@@ -119,6 +119,21 @@ def test_options_from_the_environment():
         api.Options(cache_experts=-1)
 
 
+def test_experts_are_read_at_load_unless_lazy(llm):
+    """Every expert of the embedded model fits: load() reads them all (the tiers say so); with
+    warm_experts=False (COLI_WARM_EXPERTS=0, serve/chat --lazy-experts) none is read up front, and
+    the text is the same."""
+    assert llm.tiers.warmed > 0 and llm.tiers.warmed_bytes > 0
+    assert api.Options.from_env({"COLI_WARM_EXPERTS": "0"}).warm_experts is False
+    lazy = colibri.load(temperature=0, warm_experts=False)
+    try:
+        assert lazy.tiers.warmed == 0
+        prompt = "def add(a, b):"
+        assert lazy.generate(prompt, max_tokens=16) == llm.generate(prompt, max_tokens=16)
+    finally:
+        lazy.close()
+
+
 def test_a_model_without_tokenizer_takes_token_ids():
     m = colibri.load(str(DATA / "tiny_dense"), temperature=0)
     ref = json.loads((DATA / "tiny_dense" / "ref.json").read_text())
