@@ -195,11 +195,14 @@ def tier_stats(model, tiers, wall_s: float) -> dict:
 
 def tier_line(s: dict) -> str:
     looks = s["expert_hits"] + s["expert_misses"]
-    kept = f"kept mapped {s['hits_kept']}, " if s.get("experts_mapped") else ""
+    warm = s.get("warm_experts")
+    mapped = s.get("experts_mapped") and not warm          # warmed experts are copies of their own
+    kept = f"kept mapped {s['hits_kept']}, " if mapped else ""
     parts = [f"experts: hit {100 * s['hit_rate']:.1f}% (pinned {s['hits_pin']}, LRU {s['hits_lru']}, {kept}"
              f"prefetched in flight {s['prefetch_waits']}, missed {s['misses']} of {looks})",
-             f"{'mapped' if s.get('experts_mapped') else 'read'} {s['bytes_read'] / 1e6:.1f} MB at "
-             f"{s['read_gb_s']:.2f} GB/s"]
+             (f"all {warm} read at start-up ({s['warm_bytes'] / 1e6:.1f} MB in {s['warm_s']:.2f}s), "
+              f"{s['bytes_read'] / 1e6:.1f} MB since" if warm else
+              f"{'mapped' if mapped else 'read'} {s['bytes_read'] / 1e6:.1f} MB at {s['read_gb_s']:.2f} GB/s")]
     if s["prefetch_issued"] or s["prefetch_recall"]:
         parts.append(f"prefetch recall {100 * s['prefetch_recall']:.1f}%, {s['prefetch_loaded']} loaded, "
                      f"{s['prefetch_used']} used, {s['prefetch_wasted']} wasted")
