@@ -145,14 +145,8 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[a], "--quick"))
             quick = 1; /* SIMD ISAs only, block = n only */
         else if (!strcmp(argv[a], "--isa") && a + 1 < argc) {
-            a++;
-            for (int k = COLI_ISA_SCALAR; k <= COLI_ISA_AVX512VNNI; k++)
-                if (!strcmp(argv[a], coli_isa_name(k)))
-                    only = k;
-            if (only < 0 || only > coli_isa_best()) {
-                fprintf(stderr, "ISA %s unknown or not supported here\n", argv[a]);
+            if ((only = tool_isa(argv[++a])) < 0)
                 return 2;
-            }
         } else {
             fprintf(stderr, "usage: %s [--repeats N] [--quick] [--isa scalar|avx2|avx512vnni] [--prefetch D]\n",
                     argv[0]);

@@ -250,14 +250,8 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[a], "--variants") && a + 1 < argc)
             vonly = argv[++a];
         else if (!strcmp(argv[a], "--isa") && a + 1 < argc) {
-            a++;
-            for (int k = COLI_ISA_SCALAR; k <= COLI_ISA_AVX512VNNI; k++)
-                if (!strcmp(argv[a], coli_isa_name(k)))
-                    only_isa = k;
-            if (only_isa < 0 || only_isa > coli_isa_best()) {
-                fprintf(stderr, "ISA %s unknown or not supported here\n", argv[a]);
+            if ((only_isa = tool_isa(argv[++a])) < 0)
                 return 2;
-            }
         } else {
             fprintf(stderr, "usage: %s [--repeats N] [--threads T] [--only SUBSTRING] [--isa NAME] "
                             "[--prefetch GROUPS] [--hint 0..3] [--variants SUBSTRING]\n", argv[0]);
