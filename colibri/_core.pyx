@@ -1718,9 +1718,6 @@ cdef class Model:
                 self._lay_out(W)
         return E
 
-    def expert_own(self, int li, int eid):
-        """expert_load(li, eid, own=True): the loader of experts read once for the whole run."""
-        return self.expert_load(li, eid, True)
 
     def _expert_read(self, int li, int eid, names, shapes, bint own=False):
         c = self.cfg

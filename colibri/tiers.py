@@ -8,6 +8,7 @@ history (autopin). ``Tiers.save_usage`` adds this run's routing counts to the hi
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -216,8 +217,8 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
 def warm_all(model, progress=None):
     """Read every routed expert of the MoE layers and of the MTP head into the cache
     (ExpertCache.warm): (experts read, their bytes). They stay for the whole run, so each is read
-    into memory of its own with its rows laid out for the integer tiles (Model.expert_own) rather
-    than used in place in the file mapping. With a tqdm bar on a terminal when progress is None."""
+    into memory of its own with its rows laid out for the integer tiles (Model.expert_load with
+    own=True) rather than used in place in the file mapping. With a tqdm bar on a terminal when progress is None."""
     c = model.cfg
     rows = [layer for layer in range(c.n_layers) if c.sparse[layer]] + ([c.n_layers] if model.has_mtp else [])
     items = [(layer, e) for layer in rows for e in range(c.n_experts)]
@@ -228,7 +229,7 @@ def warm_all(model, progress=None):
                    leave=False, file=sys.stderr)
         progress = lambda done, total: bar.update(1) if total else None  # noqa: E731
     try:
-        return model.cache.warm(items, progress, loader=getattr(model, "expert_own", None))
+        return model.cache.warm(items, progress, loader=functools.partial(model.expert_load, own=True))
     finally:
         if bar is not None:
             bar.close()
