@@ -227,6 +227,20 @@ def test_verdict_table_lists_each_must_hold_line_at_the_end():
     assert math.isclose(rows[0]["ratio"], 300 / 240) and rows[1]["ratio_text"] == "60.0%"
 
 
+def test_direct_line_pairs_each_run_with_the_disk_measured_after_it():
+    res = synthetic()
+    direct = next(r for r in res["rows"] if "O_DIRECT" in str(r.get("cached")))
+    # the disk's own figure moves between runs: each run is judged against its own minute
+    direct["disk_pairs"] = [(1.0, 1.25), (1.8, 2.0), (0.9, 1.0)]
+    v = {r["must_hold"]: r for r in bench.verdict_rows(res)}
+    line = v["O_DIRECT reads ≥ 0.85× fio's best on the same file"]
+    assert math.isclose(line["ratio"], 0.9) and line["holds"] is True
+    assert line["measured"] == ("1.00 GB/s ÷ 1.25 GB/s (medians of 3 runs, each ÷ the disk measured right after "
+                                "it: per run 0.80–0.90×)")
+    direct["disk_pairs"] = [(0.8, 1.25), (0.9, 1.25), (1.8, 2.0)]
+    assert {r["must_hold"]: r for r in bench.verdict_rows(res)}[line["must_hold"]]["holds"] is False
+
+
 def test_verdict_says_what_this_run_did_not_measure():
     res = synthetic()
     res["rows"] = [r for r in res["rows"] if r.get("container") != "int8" and r.get("idot", 2) == 2
