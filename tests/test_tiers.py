@@ -83,6 +83,10 @@ def test_experts_read_at_start_are_own_laid_out_and_exact(int4, idot):
     E = m.cache.get(moe[0], [0])[0]
     assert getattr(E, "mapped", None) is None
     assert E.gate.interleaved == (_core.isa_active() == "avx512vnni")
+    # each matrix starts on a cache line (a 64-byte load of a row never straddles two), and so do
+    # the resident matrices read from the container
+    for W in (E.gate, E.up, E.down, m.layers[0].q_a, m.layers[0].o_proj, m.lm_head):
+        assert W.data.ctypes.data % 64 == 0
     m.reset_stats()
     ref = json.loads((DATA / "tiny_dsa" / "ref.json").read_text())
     ids = list(ref["prompt_ids"])
