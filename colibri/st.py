@@ -541,10 +541,11 @@ class SafeTensorsDir:
         return 0 if arr is None else int(arr.shape[0])
 
     # -- reading ----------------------------------------------------------
-    def read_raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes as a new uint8 array of exactly ``nbytes``."""
+    def read_raw(self, name: str, take=aligned_empty) -> np.ndarray:
+        """The tensor's bytes as a new uint8 array of exactly ``nbytes``, from ``take(nbytes)``
+        (a BUFFER_ALIGN-aligned allocation of its own unless the caller has an arena)."""
         info = self.info(name)
-        out = aligned_empty(info.nbytes)
+        out = take(info.nbytes)
         _pread_into(self.fileno(info.file_index), out, info.offset, f"{info.path}: tensor {name!r}")
         return out
 
