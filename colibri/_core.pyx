@@ -1548,6 +1548,7 @@ cdef class Model:
     cdef public object lookahead                  # PrefetchPolicy: prefetch only while it pays
     cdef public bint direct                       # O_DIRECT reads of expert payloads
     cdef public bint mapped                       # container experts used in place in the file mapping
+    cdef bint _mapped_made                        # ... and at least one has been (_check_mapped)
     cdef object _direct_fds, _io, _slabs, _arena, _expert_layouts, _row_files
     cdef object _gsplit                           # split activation rows for group-scaled int4 (see _split_scratch)
     # Counters
@@ -1768,6 +1769,7 @@ cdef class Model:
         E = lay.expert
         if E is None:
             st = self.st
+            self._mapped_made = True
             E = Expert()
             E.eid = eid
             E.nbytes = lay.total
@@ -1803,7 +1805,10 @@ cdef class Model:
     def _check_mapped(self, int li):
         """guard of the expert cache, before a call on row li (-1: any row) hands out experts: the
         files its mapped experts live in must still hold every mapped byte (a page cut off a mapped
-        file would fault with SIGBUS in the middle of a matmul instead of raising)."""
+        file would fault with SIGBUS in the middle of a matmul instead of raising). Nothing to check
+        while no expert has been used in place (every one read at start-up, or with pread)."""
+        if not self._mapped_made:
+            return
         files = self._row_files.get(li)
         if files is None and li < 0:
             files = self._row_files[li] = list(range(len(self.st.paths)))
@@ -2744,13 +2749,16 @@ cdef class Model:
         cdef int l, nu
         cdef int[::1] rec_nu = self._rec[0]
         rec_ids = self._rec[1]
+        calls = []
         for l in range(l0, l1):
             nu = rec_nu[l]
             if nu >= 0:
                 ids = rec_ids[l, :nu].tolist()
-                self.cache.note_hits(l, ids)
+                calls.append((l, ids))
                 if self.trace is not None:
                     self.trace.append((self.forwards, l, S, ids))
+        if calls:
+            self.cache.note_hits_calls(calls)     # one call for the whole token: Python runs cold here
 
     def _mlp_calls(self, Layer L, float[:, ::1] x, int S, Work ws, int nu):
         """layer_forward's second half after its attention half (ws.n, the routing): the router

@@ -560,32 +560,38 @@ class ExpertCache:
         looked them up in its mirror of the tiers, see on_change): the counters, the LRU order and
         the kept experts' return to the LRU (then trimmed to capacity) that a get() of the same
         experts makes. Raises KeyError if one is not resident."""
-        distinct = sorted(set(eids))
+        self.note_hits_calls([(layer, eids)])
+
+    def note_hits_calls(self, calls) -> None:
+        """note_hits for each (layer, eids) of calls, in order, under one hold of the lock (the
+        engine's C path accounts a whole token's layers at once)."""
         st = self._st
-        pins, lru, busy = self._pins[layer], self._lru[layer], self._busy[layer]
         with self._lock:
-            self._account_request(layer, eids, distinct)
-            kept = False
-            for e in distinct:
-                if e in pins:
-                    st["hits_pin"] += 1
-                    continue
-                ent = lru.get(e)
-                if ent is None:
-                    obj = self._take_kept(layer, e)
-                    if obj is None:
-                        raise KeyError(f"expert {e} of layer {layer} is not resident")
-                    st["hits_kept"] += 1
-                    lru[e] = _Entry(obj)
-                    kept = True
-                    continue
-                st["hits_lru"] += 1
-                if ent.prefetched:
-                    ent.prefetched = False
-                    st["prefetch_used"] += 1
-                lru.move_to_end(e)
-            if kept:
-                self._trim(layer)
+            for layer, eids in calls:
+                distinct = sorted(set(eids))
+                pins, lru = self._pins[layer], self._lru[layer]
+                self._account_request(layer, eids, distinct)
+                kept = False
+                for e in distinct:
+                    if e in pins:
+                        st["hits_pin"] += 1
+                        continue
+                    ent = lru.get(e)
+                    if ent is None:
+                        obj = self._take_kept(layer, e)
+                        if obj is None:
+                            raise KeyError(f"expert {e} of layer {layer} is not resident")
+                        st["hits_kept"] += 1
+                        lru[e] = _Entry(obj)
+                        kept = True
+                        continue
+                    st["hits_lru"] += 1
+                    if ent.prefetched:
+                        ent.prefetched = False
+                        st["prefetch_used"] += 1
+                    lru.move_to_end(e)
+                if kept:
+                    self._trim(layer)
 
     def prefetch_idle(self) -> bool:
         """No prefetch queued or being loaded: until prefetch() is called again, only the caller's
