@@ -21,7 +21,6 @@ from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
 from cython.parallel cimport prange, threadid, parallel
 
 import threading
-import weakref
 
 from .cache import ExpertCache
 from .config import Config, indexer_missing, load_config
@@ -4056,6 +4055,9 @@ def _map_out(spans):
             madvise(<void *>a, n, MADV_DONTNEED)
 
 
+_HUGE = 2 << 20      # bytes of a transparent huge page
+
+
 def _advise_huge_pages(a):
     """Ask the kernel to back the whole 2 MiB spans of array a with transparent huge pages (a
     hint: nothing changes where THP is off or the call fails)."""
@@ -4063,9 +4065,6 @@ def _advise_huge_pages(a):
     cdef uintptr_t hi = (<uintptr_t>a.ctypes.data + <uintptr_t>a.nbytes) & ~(<uintptr_t>_HUGE - 1)
     if COLI_MADV_HUGEPAGE >= 0 and hi > lo:
         madvise(<void *>lo, hi - lo, COLI_MADV_HUGEPAGE)
-
-
-_HUGE = 2 << 20
 
 
 class _Arena:
@@ -4082,18 +4081,24 @@ class _Arena:
         self._lock = threading.Lock()
 
     def take(self, nbytes):
-        """nbytes of a chunk, starting on a BUFFER_ALIGN boundary."""
+        """nbytes of a chunk, starting on a BUFFER_ALIGN boundary (more than a quarter chunk: an
+        allocation of its own, advised the same way)."""
         align = _st.BUFFER_ALIGN
         if nbytes > self.CHUNK // 4:
-            return _st.aligned_empty(nbytes)
+            return self._fresh(nbytes)
         with self._lock:
             at = -(-self._used // align) * align
             if self._chunk is None or at + nbytes > self._chunk.shape[0]:
-                self._chunk = _st.aligned_empty(self.CHUNK)
-                _advise_huge_pages(self._chunk)
+                self._chunk = self._fresh(self.CHUNK)
                 at = 0
             self._used = at + nbytes
             return self._chunk[at:at + nbytes]
+
+    @staticmethod
+    def _fresh(nbytes):
+        a = _st.aligned_empty(nbytes)
+        _advise_huge_pages(a)
+        return a
 
 
 class _SlabPool:
@@ -4109,13 +4114,11 @@ class _SlabPool:
         self._waiting = []
         self._per_size = max(int(per_size), 1)
         self._lock = threading.Lock()
-        self._made = weakref.WeakValueDictionary()     # id -> the buffers take() made, while alive
         self.reused = 0
 
     def recycle(self, E):
         """on_evict hook of the expert cache."""
-        slab = getattr(E, "slab", None)
-        if slab is None or self._made.get(id(slab)) is not slab:     # floats, buffers not from take()
+        if getattr(E, "slab", None) is None:     # float experts (mapped ones never come here)
             return
         with self._lock:
             self._waiting.append(E)
@@ -4143,9 +4146,7 @@ class _SlabPool:
             if lst:
                 self.reused += 1
                 return lst.pop()
-            slab = _st.aligned_empty(nbytes)
-            self._made[id(slab)] = slab
-            return slab
+        return _st.aligned_empty(nbytes)
 
 
 class _IoClock:
