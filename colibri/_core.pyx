@@ -1592,11 +1592,22 @@ cdef class Model:
         natively: the integer path (idot 1 or 2) on AVX-512 VNNI, and COLIBRI_INTERLEAVE not 0 (A/B
         measurements; the results are the same bit for bit either way). For matrices only the
         integer matmuls read. Returns whether W is laid out so."""
-        if self.idot == IDOT_FLOAT or coli_isa_active() != COLI_ISA_AVX512VNNI or \
-                os.environ.get("COLIBRI_INTERLEAVE", "1").strip() == "0":
+        if not self.lays_out():
             return False
         W.interleave()
         return W.interleaved
+
+    def keeps_evicted(self):
+        """Whether experts evicted from the LRU can stay in memory, the cache's kept tier (within
+        the RAM plan's page-cache reserve): mapped ones (their pages stay mapped) and ones read
+        into buffers from the page cache; not with --direct, whose reads bypass the page cache."""
+        return not self.direct
+
+    def lays_out(self):
+        """Whether this model interleaves the rows of the matrices only the integer tiles read
+        (_lay_out): the integer path (idot 1 or 2) on AVX-512 VNNI, unless COLIBRI_INTERLEAVE=0."""
+        return not (self.idot == IDOT_FLOAT or coli_isa_active() != COLI_ISA_AVX512VNNI or
+                    os.environ.get("COLIBRI_INTERLEAVE", "1").strip() == "0")
 
     def _interleave_resident(self):
         """Lay out for the tiles (_lay_out) the resident matrices that only the integer matmuls
@@ -1707,10 +1718,11 @@ cdef class Model:
     # -- experts -------------------------------------------------------------------------------
 
     def expert_load(self, int li, int eid, bint own=False):
-        """Read expert eid of layer li from disk: one pread when its three payloads are contiguous.
-        own: in memory of its own (never a view of the file mapping) with its matrices laid out for
-        the tiles (_lay_out), for an expert that stays resident the whole run (tiers.warm_all);
-        bit-identical results either way."""
+        """Read expert eid of layer li from disk: one pread when its three payloads are contiguous,
+        into a buffer of the slab pool, its matrices then laid out for the tiles (_lay_out), or
+        used in place in the file mapping (Model.mapped); own: in memory of its own, never a view
+        of the mapping, for an expert that stays resident the whole run (tiers.warm_all).
+        Bit-identical results either way."""
         c = self.cfg
         p = f"model.layers.{li}.mlp.experts.{eid}."
         names = [p + m + ".weight" for m in ("gate_proj", "up_proj", "down_proj")]
@@ -1721,7 +1733,7 @@ cdef class Model:
             E = self._expert_read(li, eid, names, shapes, own)
         finally:
             self._io.stop()
-        if own:
+        if E.mapped is None:            # read into a buffer (a mapped expert's rows are the file's)
             for W in (E.gate, E.up, E.down):
                 self._lay_out(W)
         return E
@@ -3865,7 +3877,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m._expert_layouts = {}
     m._row_files = {}
     m._io = _IoClock()
-    m.mapped = not direct and os.environ.get("COLIBRI_MMAP", "1") != "0" and _mappable_experts(m)
+    m.mapped = not direct and _maps_experts(m) and _mappable_experts(m)
     # Rows of the cache: every layer index (dense ones stay empty) plus the MTP row.
     m.cache = ExpertCache(m.expert_load, cfg.n_layers + 1, m.cache_experts, io_threads=io_threads,
                           prefetch=mode != "off", n_experts=cfg.n_experts)
@@ -3893,6 +3905,18 @@ def _expert_disk_bytes(st, int li):
     p = f"model.layers.{li}.mlp.experts.0."
     return sum(st.info(p + m + ".weight" + x).nbytes for m in ("gate_proj", "up_proj", "down_proj")
                for x in ("", ".qs") if p + m + ".weight" + x in st)
+
+
+def _maps_experts(Model m):
+    """COLIBRI_MMAP: 1 = use container experts in place in the file mapping, 0 = read them with
+    pread, auto (default) = in place unless the model lays rows out for the tiles (Model.lays_out):
+    an expert that stays in memory is multiplied faster in the interleaved layout than read in
+    place in the file's (bench fixture, 4 experts per layer over the page cache, every one kept:
+    decode 1.2x) and a read from the page cache costs about its bytes at copy speed, once."""
+    v = os.environ.get("COLIBRI_MMAP", "auto").strip().lower()
+    if v not in ("0", "1", "auto"):
+        raise ValueError(f"COLIBRI_MMAP={v!r}: expected 0, 1 or auto")
+    return v == "1" or (v == "auto" and not m.lays_out())
 
 
 def _mappable_experts(Model m):

@@ -239,10 +239,10 @@ def plan_ram(resident_bytes, kv_bytes, work_bytes, expert_bytes, n_moe_rows, n_e
       never holds more than n_experts.
     - buffers: with ``prefetch``, the one expert the prefetch thread may hold before inserting it.
     - page-cache reserve (default ``min(2.5 GB, bytes of all experts of all rows)``): room left to
-      the OS page cache under the loader. When the engine uses container experts in place in their
-      file mapping (``Model.mapped``), the experts evicted from the LRU stay mapped within this
-      reserve (the cache's kept tier): they are page-cache pages, counted in the process's RSS
-      while mapped, and a later use costs no read. It is counted only when experts are expected to stream
+      the OS page cache under the loader. Unless the engine reads with O_DIRECT, the experts
+      evicted from the LRU stay in memory within this reserve (the cache's kept tier,
+      ``Model.keeps_evicted``): mapped ones as page-cache pages counted in the process's RSS while
+      mapped, read ones in their buffers; a later use costs no read. It is counted only when experts are expected to stream
       from disk: ``streaming=None`` (auto) means "when the capacity is below n_experts" — a cache
       that holds every expert reads each one once and needs no page cache afterwards, and a reserve
       larger than the model's experts is pointless. ``streaming=True/False`` forces it.

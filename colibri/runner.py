@@ -197,7 +197,7 @@ def tier_line(s: dict) -> str:
     looks = s["expert_hits"] + s["expert_misses"]
     warm = s.get("warm_experts")
     mapped = s.get("experts_mapped") and not warm          # warmed experts are copies of their own
-    kept = f"kept mapped {s['hits_kept']}, " if mapped else ""
+    kept = f"kept {s['hits_kept']}, " if s.get("hits_kept") or s.get("kept_bytes") else ""
     parts = [f"experts: hit {100 * s['hit_rate']:.1f}% (pinned {s['hits_pin']}, LRU {s['hits_lru']}, {kept}"
              f"prefetched in flight {s['prefetch_waits']}, missed {s['misses']} of {looks})",
              (f"all {warm} read at start-up ({s['warm_bytes'] / 1e6:.1f} MB in {s['warm_s']:.2f}s), "

@@ -200,10 +200,10 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
         kw["pin_bytes"] = sum(rows[layer] for layer, _ in items)
         t.plan = plan = _budget.plan_ram(**kw)
     model.cache.set_capacity(plan.capacity)
-    if getattr(model, "mapped", False):
-        # experts used in place in the file mapping: evicted ones stay mapped (in the RSS) within
-        # the plan's page-cache reserve, whose pages they are (the call allowance covers the
-        # experts a call adds to its row's LRU beyond capacity)
+    if model.keeps_evicted():
+        # experts evicted from the LRU stay in memory (mapped, or in their buffers) within the
+        # plan's page-cache reserve (the call allowance covers the experts a call adds to its
+        # row's LRU beyond capacity)
         model.cache.set_keep_bytes(plan.page_cache_reserve_bytes)
     model.cache_experts = plan.capacity
     model.pilot = bool(prefetch) and plan.capacity < c.n_experts

@@ -86,15 +86,17 @@ def _cache_view(m, prefetch):
 @pytest.mark.parametrize("prefetch", ["off", "on"])
 @pytest.mark.parametrize("pins", [0, 3])
 @pytest.mark.parametrize("keep", [None, 0, 1])
-def test_experts_in_place_keep_the_cache_exact(containers, prefetch, pins, keep):
+@pytest.mark.parametrize("mmap", ["1", "0"])
+def test_experts_in_place_keep_the_cache_exact(containers, prefetch, pins, keep, mmap, monkeypatch):
     """Resident experts used in place by the C layers account in the cache as a get() would
     (hits, LRU order, usage, lookahead recall), and the engine's table mirrors the cache's
-    tiers through evictions and pins (and the kept tier of mapped experts: model_init's, none,
-    or one expert's worth that keeps releasing)."""
+    tiers through evictions and pins (and the kept tier: model_init's, none, or one expert's
+    worth that keeps releasing), experts mapped or read into buffers."""
+    monkeypatch.setenv("COLIBRI_MMAP", mmap)
     views = []
     for stepped in (False, True):
         m = model_init(containers["int4"], cache_experts=2, prefetch=prefetch, dsa=False)
-        assert m.mapped
+        assert m.mapped == (mmap == "1")
         if keep is not None:
             m.cache.set_keep_bytes(keep * m.expert_load(m.cfg.first_dense, 0).nbytes)
         if pins:

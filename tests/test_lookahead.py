@@ -131,12 +131,11 @@ def test_a_prefetch_that_pays_in_reads_is_judged_by_its_time():
 
 
 def test_the_engine_turns_off_a_prefetch_with_nothing_to_load():
-    """Mapped experts kept in memory once used: the lookahead soon finds nothing to read, so auto
-    turns it off; the tokens are those of prefetch off."""
+    """Experts kept in memory once used (the kept tier): the lookahead soon finds nothing to read,
+    so auto turns it off; the tokens are those of prefetch off."""
     from colibri.models import default_model_dir
     prompt = [3, 14, 15, 92, 65]
     m = model_init(default_model_dir(), cache_experts=1, prefetch="auto")
-    assert m.mapped
     m.lookahead = PrefetchPolicy("auto", window=2, counters=m.lookahead.counters)
     m.cache.set_keep_bytes(10 ** 9)
     auto, _ = decode(m, prompt, 40, 0)

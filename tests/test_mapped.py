@@ -1,6 +1,6 @@
 """Container experts used in place in a read-only mapping of their file (Model.mapped): no copy, the
 same tokens as experts read with pread, pages dropped from the RSS when the cache lets an expert go,
-and evicted experts kept mapped within the RAM plan's page-cache reserve."""
+and evicted experts kept mapped within the RAM plan's page-cache reserve (COLIBRI_MMAP=1 here)."""
 import json
 
 import numpy as np
@@ -17,6 +17,13 @@ def int4(tmp_path_factory):
     dst = tmp_path_factory.mktemp("mapped_int4")
     convert(DATA / "tiny_dsa", dst, ConvertOptions(expert_bits=4, dense_bits=4, io_bits=8), verbose=False)
     return dst
+
+
+@pytest.fixture(autouse=True)
+def in_place(monkeypatch):
+    """These tests are about the mapping: COLIBRI_MMAP=1 maps experts on every ISA (by default a
+    model that lays rows out for the tiles reads its experts into buffers instead)."""
+    monkeypatch.setenv("COLIBRI_MMAP", "1")
 
 
 def decode(path, n=16, keep=None, **kw):
@@ -121,3 +128,33 @@ def test_the_plan_sizes_the_kept_tier_and_direct_reads_do_not_map(int4):
     assert not d.mapped and d.cache.keep_bytes == 0
     tiers.configure(d, 64, requested=1, ram_gb=100, autopin=False)
     assert d.cache.keep_bytes == 0
+
+
+def test_by_default_experts_are_mapped_unless_the_tiles_want_their_rows_interleaved(int4, monkeypatch):
+    """COLIBRI_MMAP=auto: a model whose integer tiles read interleaved rows (AVX-512 VNNI) reads each
+    expert into a buffer and interleaves it, the same bits as in place; the kept tier then holds
+    read experts, and a second pass over a layer reads nothing."""
+    monkeypatch.setenv("COLIBRI_MMAP", "auto")
+    m = model_init(int4, cache_experts=1)
+    assert m.mapped == (not m.lays_out())
+    layer = next(i for i in range(m.cfg.n_layers) if m.cfg.sparse[i])
+    E = m.expert_load(layer, 3)
+    for W in (E.gate, E.up, E.down):
+        assert W.interleaved == m.lays_out() and W.data.flags.writeable != m.mapped
+    t = tiers.configure(m, 64, requested=1, ram_gb=100, autopin=False)
+    assert m.keeps_evicted() and m.cache.keep_bytes == t.plan.page_cache_reserve_bytes > 0
+    for e in range(m.cfg.n_experts):
+        m.cache.get(layer, [e])
+    loads = m.cache.stats["loads"]
+    for e in range(m.cfg.n_experts):
+        m.cache.get(layer, [e])
+    assert m.cache.stats["loads"] == loads and m.cache.stats["hits_kept"] == m.cfg.n_experts
+    m.close()
+    auto_tokens, auto_logits, _ = decode(int4, cache_experts=1)
+    for v in ("1", "0"):
+        monkeypatch.setenv("COLIBRI_MMAP", v)
+        tokens, logits, r = decode(int4, cache_experts=1)
+        assert r.mapped == (v == "1") and tokens == auto_tokens and np.array_equal(logits, auto_logits)
+    monkeypatch.setenv("COLIBRI_MMAP", "yes")
+    with pytest.raises(ValueError, match="COLIBRI_MMAP"):
+        model_init(int4, cache_experts=1)
