@@ -3886,7 +3886,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.lookahead = PrefetchPolicy(mode, counters=lambda: cache.stats)   # judged by its reads as well as its time
     m.lookahead_on = True
     m.cache.overshoot = cfg.topk            # within the RAM plan's per-call allowance
-    m._slabs = _SlabPool(2 * cfg.topk)
+    m._slabs = _SlabPool(_Arena())   # the buffers of experts read into the cache
     m.cache.on_evict = m._release_expert
     m.etab = <ExpertRef *>calloc((cfg.n_layers + 1) * cfg.n_experts, sizeof(ExpertRef))
     if m.etab == NULL:
@@ -4126,17 +4126,20 @@ class _Arena:
 
 
 class _SlabPool:
-    """Expert payload buffers of evicted experts, reused by the next loads of the same size: a
-    fresh buffer costs a page fault per 4 KiB on its first write, as much as the read itself when
-    the data comes from the page cache. An evicted expert is often still in use (a call needing more
-    experts than the LRU holds computes with experts the cache has already let go), so evicted
-    experts wait in a list, and a buffer is taken back only once nothing but that list references
-    the expert and its three matrices (their payloads are views of the buffer)."""
+    """Expert payload buffers of evicted experts, reused by the next loads of the same size. New
+    buffers are carved out of an _Arena (huge pages: a token's expert reads walk one TLB entry
+    per 2 MiB, as the resident matrices' do), which never gives memory back, so the pool keeps
+    every buffer it ever handed out: their number is the most experts of one size held at once
+    (pinned, LRU, kept and in calls: the RAM plan's bound). An evicted expert is often still in
+    use (a call needing more experts than the LRU holds computes with experts the cache has
+    already let go), so evicted experts wait in a list, and a buffer is taken back only once
+    nothing but that list references the expert and its three matrices (their payloads are views
+    of the buffer)."""
 
-    def __init__(self, per_size: int):
+    def __init__(self, arena):
         self._free = {}
         self._waiting = []
-        self._per_size = max(int(per_size), 1)
+        self._arena = arena
         self._lock = threading.Lock()
         self.reused = 0
 
@@ -4146,8 +4149,6 @@ class _SlabPool:
             return
         with self._lock:
             self._waiting.append(E)
-            if len(self._waiting) > 8 * self._per_size:
-                del self._waiting[0]
 
     def take(self, nbytes):
         import sys
@@ -4160,9 +4161,7 @@ class _SlabPool:
                     slab = E.slab
                     E.gate = E.up = E.down = None
                     E.slab = None
-                    lst = self._free.setdefault(slab.nbytes, [])
-                    if len(lst) < self._per_size:
-                        lst.append(slab)
+                    self._free.setdefault(slab.nbytes, []).append(slab)
                 else:
                     keep.append(E)
             self._waiting = keep
@@ -4170,7 +4169,7 @@ class _SlabPool:
             if lst:
                 self.reused += 1
                 return lst.pop()
-        return _st.aligned_empty(nbytes)
+        return self._arena.take(nbytes)
 
 
 class _IoClock:
