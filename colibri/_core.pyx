@@ -3047,7 +3047,7 @@ cdef class Model:
                 break                     # the last token is not forwarded (spec §11.20)
             t0 = time.perf_counter()
             t_catch = 0.0
-            self.lookahead_on = self.lookahead.enabled()
+            self.lookahead_on = self.pilot and self.lookahead.enabled()    # (no lookahead: no counters read)
             d = policy.depth()
             drafts = []
             if d > 0 and self.has_mtp:
@@ -3886,7 +3886,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.lookahead = PrefetchPolicy(mode, counters=lambda: cache.stats)   # judged by its reads as well as its time
     m.lookahead_on = True
     m.cache.overshoot = cfg.topk            # within the RAM plan's per-call allowance
-    m._slabs = _SlabPool(_Arena())   # the buffers of experts read into the cache
+    m._slabs = _SlabPool()
     m.cache.on_evict = m._release_expert
     m.etab = <ExpertRef *>calloc((cfg.n_layers + 1) * cfg.n_experts, sizeof(ExpertRef))
     if m.etab == NULL:
@@ -4080,6 +4080,9 @@ def _map_out(spans):
 
 
 _HUGE = 2 << 20      # bytes of a transparent huge page
+# RSS the expert buffers (_SlabPool) may hold beyond their bytes, counted by the RAM plan
+# (tiers.work_bytes_estimate): the huge page being carved, for each expert size (main rows, MTP)
+BUFFER_SLACK_BYTES = 2 * _HUGE
 
 
 def _advise_huge_pages(a):
@@ -4127,19 +4130,21 @@ class _Arena:
 
 class _SlabPool:
     """Expert payload buffers of evicted experts, reused by the next loads of the same size. New
-    buffers are carved out of an _Arena (huge pages: a token's expert reads walk one TLB entry
-    per 2 MiB, as the resident matrices' do), which never gives memory back, so the pool keeps
-    every buffer it ever handed out: their number is the most experts of one size held at once
-    (pinned, LRU, kept and in calls: the RAM plan's bound). An evicted expert is often still in
-    use (a call needing more experts than the LRU holds computes with experts the cache has
-    already let go), so evicted experts wait in a list, and a buffer is taken back only once
+    buffers come CHUNK bytes of one size at a time, advised for transparent huge pages (a token's
+    expert reads then walk one TLB entry per 2 MiB, as the resident matrices' do: 4 experts per
+    layer over the page cache, bench fixture, 1.04x); the pool keeps every buffer it ever handed
+    out, so their number is the most experts of one size held at once (pinned, LRU, kept and in
+    calls: the RAM plan's bound), and the RSS exceeds the bytes handed out by at most the huge page
+    the buffers of one size are being carved from (BUFFER_SLACK_BYTES). An evicted expert is often
+    still in use (a call needing more experts than the LRU holds computes with experts the cache
+    has already let go), so evicted experts wait in a list, and a buffer is taken back only once
     nothing but that list references the expert and its three matrices (their payloads are views
     of the buffer)."""
+    CHUNK = 64 << 20
 
-    def __init__(self, arena):
+    def __init__(self):
         self._free = {}
         self._waiting = []
-        self._arena = arena
         self._lock = threading.Lock()
         self.reused = 0
 
@@ -4165,11 +4170,16 @@ class _SlabPool:
                 else:
                     keep.append(E)
             self._waiting = keep
-            lst = self._free.get(nbytes)
+            lst = self._free.setdefault(nbytes, [])
             if lst:
                 self.reused += 1
-                return lst.pop()
-        return self._arena.take(nbytes)
+            else:
+                # k buffers of this size in one advised allocation, each BUFFER_ALIGN-aligned
+                step = -(-nbytes // _st.BUFFER_ALIGN) * _st.BUFFER_ALIGN
+                k = max(1, self.CHUNK // step)
+                chunk = _Arena._fresh(step * k)
+                lst.extend(chunk[i * step:i * step + nbytes] for i in range(k - 1, -1, -1))
+            return lst.pop()
 
 
 class _IoClock:
