@@ -4,6 +4,19 @@ import pathlib
 import pytest
 
 DATA = pathlib.Path(__file__).parent / "data"
+
+
+def greedy_steps(m, ids, n):
+    """Prefill ids, then n greedy steps: (tokens, logits of every step [n + 1, V])."""
+    import numpy as np
+    ids = list(ids)
+    m.kv_alloc(len(ids) + n + 1)
+    logits = [m.step(ids, 0)]
+    out = []
+    for i in range(n):
+        out.append(int(np.argmax(logits[-1])))
+        logits.append(m.step([out[-1]], len(ids) + i))
+    return out, np.stack(logits)
 ORACLES = ["tiny_dense", "tiny_dsa"]
 
 

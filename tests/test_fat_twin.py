@@ -11,7 +11,7 @@ import pytest
 from colibri import model_init
 from colibri.convert import ConvertOptions, convert
 from colibri.models import default_model_dir
-from conftest import DATA
+from conftest import DATA, greedy_steps
 
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "make_fat_twin.py"
 
@@ -24,16 +24,10 @@ def twin(src, dst, width):
 def greedy(path, n=12):
     """Prefill a fixed prompt, then n greedy steps: (tokens, logits of every step)."""
     m = model_init(path, cache_experts=0)
-    ids = [3, 14, 15, 92, 65, 35, 89, 79]
-    m.kv_alloc(len(ids) + n + 1)
-    logits = [m.step(ids, 0)]
-    out = []
-    for i in range(n):
-        out.append(int(np.argmax(logits[-1])))
-        logits.append(m.step([out[-1]], len(ids) + i))
+    out, logits = greedy_steps(m, [3, 14, 15, 92, 65, 35, 89, 79], n)
     expert = m.expert_load(next(l for l in range(m.cfg.n_layers) if m.cfg.sparse[l]), 0).nbytes
     m.close()
-    return out, np.stack(logits), expert
+    return out, logits, expert
 
 
 @pytest.mark.parametrize("source", ["embedded", "int4-groups", "int8", "float"])

@@ -9,7 +9,7 @@ import pytest
 from colibri import model_init, tiers
 from colibri.convert import ConvertOptions, convert
 from colibri.models import default_model_dir
-from conftest import DATA
+from conftest import DATA, greedy_steps
 
 
 @pytest.fixture(scope="module")
@@ -31,15 +31,9 @@ def decode(path, n=16, keep=None, **kw):
     m = model_init(path, **kw)
     if keep is not None:
         m.cache.set_keep_bytes(keep)
-    ids = list(json.loads((DATA / "tiny_dsa" / "ref.json").read_text())["prompt_ids"])
-    m.kv_alloc(len(ids) + n + 1)
-    logits = [m.step(ids, 0)]
-    out = []
-    for i in range(n):
-        out.append(int(np.argmax(logits[-1])))
-        logits.append(m.step([out[-1]], len(ids) + i))
+    out, logits = greedy_steps(m, json.loads((DATA / "tiny_dsa" / "ref.json").read_text())["prompt_ids"], n)
     m.cache.wait_prefetch()
-    return out, np.stack(logits), m
+    return out, logits, m
 
 
 def rss_file_kb():

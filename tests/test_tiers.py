@@ -10,7 +10,7 @@ import pytest
 
 from colibri import model_init, tiers, usage
 from colibri.convert import ConvertOptions, convert
-from conftest import DATA
+from conftest import DATA, greedy_steps
 
 ROOT = DATA.parent.parent
 
@@ -29,17 +29,9 @@ def decode(path, n=20, keep=None, **kw):
     m = model_init(path, **kw)
     if keep is not None:
         m.cache.set_keep_bytes(keep)
-    ref = json.loads((DATA / "tiny_dsa" / "ref.json").read_text())
-    ids = list(ref["prompt_ids"])
-    m.kv_alloc(len(ids) + n + 1)
-    logits = [m.step(ids, 0)]
-    out = []
-    for i in range(n):
-        t = int(np.argmax(logits[-1]))
-        out.append(t)
-        logits.append(m.step([t], len(ids) + i))
+    out, logits = greedy_steps(m, json.loads((DATA / "tiny_dsa" / "ref.json").read_text())["prompt_ids"], n)
     m.cache.wait_prefetch()
-    return out, np.stack(logits), m
+    return out, logits, m
 
 
 def colibri(*args, env=None):
