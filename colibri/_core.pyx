@@ -208,7 +208,8 @@ cdef class QT:
             return False
         cdef uint8_t[::1] tmp = np.empty(4 * self.c.rb, np.uint8)
         cdef uint8_t[::1] pv = self.data
-        coli_ilv_pack_inplace(&pv[0], self.c.O, self.c.rb, &tmp[0])
+        with nogil:                 # the I/O threads lay out experts they read while the matmuls run
+            coli_ilv_pack_inplace(&pv[0], self.c.O, self.c.rb, &tmp[0])
         self.c.ilv = 1
         return True
 
