@@ -11,7 +11,8 @@ small enough to test with. The MTP layer's experts are padded too; every other t
 copied as it is (``config.json`` gets the new ``moe_intermediate_size``).
 
 Works on colibri containers (int8 / int4 payloads with per-row or group scales; padded rows get
-scale 0 and zero weights, padded groups scale 0) and on float checkpoints (F32 / F16 / BF16).
+scale 0 and zero weights, padded groups scale 0) and on F32 / F16 checkpoints (a BF16 one: convert
+it first).
 
 Usage::
 
@@ -24,18 +25,20 @@ import json
 import os
 import re
 import shutil
-import struct
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from colibri.convert import save_file_atomic  # noqa: E402
 from colibri.st import ContainerError, SafeTensorsDir  # noqa: E402
 
 # model.layers.L.mlp.experts.E.gate_proj.weight / ...shared_experts.down_proj.weight (+ ".qs")
 _EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.(experts\.\d+|shared_experts)\.(gate|up|down)_proj\.weight$")
-_FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+_NUMPY = {"F32": np.float32, "F16": np.float16, "U8": np.uint8, "I8": np.int8, "I32": np.int32,
+          "I64": np.int64, "F64": np.float64}     # what safetensors.numpy writes (no BF16)
+_FLOATS = ("F32", "F16")
 _SKIP_FILES = {"colibri_convert.json", ".colibri_usage", "model.safetensors.index.json"}
 
 
@@ -60,7 +63,15 @@ def _payload_format(name: str, nbytes: int, O: int, I: int) -> str:
                     "(int2 experts are not supported)")
 
 
-def _pad_rows(name, raw, fmt, O, I, O2):
+def _typed(name, info, raw):
+    """The tensor's bytes as the numpy array safetensors writes back with its dtype and shape."""
+    if info.dtype not in _NUMPY:
+        raise TwinError(f"{info.path}: {name} is {info.dtype}, which the twin cannot write "
+                        "(convert the checkpoint to a container first)")
+    return raw.view(_NUMPY[info.dtype]).reshape(info.shape)
+
+
+def _pad_rows(raw, fmt, O, I, O2):
     """[O, I] -> [O2, I] with zero rows (raw: the payload bytes)."""
     zero = np.zeros(I, np.uint8) if fmt == "int8" else _int4_zero_row(I)
     return np.concatenate([raw, np.tile(zero, O2 - O)])
@@ -100,7 +111,7 @@ def _widths(cfg: dict, shared: bool, I0: int, W: int):
 
 
 def twin_tensors(st: SafeTensorsDir, cfg: dict, W: int, file_index: int) -> dict:
-    """name -> (safetensors dtype, shape, bytes) of one source file, experts padded to width W."""
+    """name -> numpy array of one source file, its experts padded to width W."""
     D, I0 = int(cfg["hidden_size"]), int(cfg["moe_intermediate_size"])
     out = {}
     for name in st.names():
@@ -110,55 +121,28 @@ def twin_tensors(st: SafeTensorsDir, cfg: dict, W: int, file_index: int) -> dict
         base = name[:-3] if name.endswith(".qs") else name
         m = _EXPERT.match(base)
         if m is None:
-            out[name] = (info.dtype, list(info.shape), st.read_raw(name))
+            out[name] = _typed(name, info, st.read_raw(name))
             continue
         kind = m.group(2)
         I, I2 = _widths(cfg, m.group(1) == "shared_experts", I0, W)
         O, O2, II, II2 = (I, I2, D, D) if kind != "down" else (D, D, I, I2)
         if name.endswith(".qs"):
-            pinfo = st.info(base)
             if info.dtype != "F32":
                 raise TwinError(f"{info.path}: {name} is {info.dtype}, expected F32 scales")
             sc = _pad_scales(base, st.read_raw(name).view(np.float32), O, II, O2, II2, kind)
-            shape = [len(sc)] if len(info.shape) == 1 else [O2, len(sc) // O2]
-            out[name] = ("F32", shape, sc.view(np.uint8))
+            out[name] = sc if len(info.shape) == 1 else sc.reshape(O2, -1)
             continue
         raw = st.read_raw(name)
         if base + ".qs" in st:
             fmt = _payload_format(f"{info.path}: {name}", info.nbytes, O, II)
-            raw = _pad_rows(name, raw, fmt, O, II, O2) if kind != "down" else _pad_cols(name, raw, fmt, O, II, II2)
-            out[name] = ("U8", [raw.shape[0]], raw)
-        elif info.dtype in _FLOAT_BYTES and tuple(info.shape) == (O, II):
-            eb = _FLOAT_BYTES[info.dtype]
-            rows = raw.reshape(O, II * eb)
-            if kind != "down":
-                rows = np.concatenate([rows, np.zeros((O2 - O, II * eb), np.uint8)])
-            else:
-                rows = np.concatenate([rows, np.zeros((O, (II2 - II) * eb), np.uint8)], axis=1)
-            out[name] = (info.dtype, [O2, II2], rows.reshape(-1))
+            out[name] = _pad_rows(raw, fmt, O, II, O2) if kind != "down" else _pad_cols(name, raw, fmt, O, II, II2)
+        elif info.dtype in _FLOATS and tuple(info.shape) == (O, II):
+            pad = ((0, O2 - O), (0, 0)) if kind != "down" else ((0, 0), (0, II2 - II))
+            out[name] = np.pad(_typed(name, info, raw), pad)
         else:
             raise TwinError(f"{info.path}: {name} is {info.dtype} {list(info.shape)}, expected a quantized "
                             f"payload with .qs scales or a float [{O}, {II}] matrix")
     return out
-
-
-def write_safetensors(tensors: dict, path: str) -> int:
-    """tensors: name -> (dtype, shape, uint8 bytes), written in name order; returns the bytes of data."""
-    header, at = {}, 0
-    for name in sorted(tensors):
-        dtype, shape, data = tensors[name]
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + data.nbytes]}
-        at += data.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for name in sorted(tensors):
-            f.write(tensors[name][2].tobytes())
-    os.replace(tmp, path)
-    return at
 
 
 def make_twin(src: str, dst: str, width: int, progress=print) -> dict:
@@ -179,7 +163,8 @@ def make_twin(src: str, dst: str, width: int, progress=print) -> dict:
         for fi, path in enumerate(st.paths):
             tensors = twin_tensors(st, cfg, width, fi)
             base = os.path.basename(path)
-            total += write_safetensors(tensors, os.path.join(dst, base))
+            save_file_atomic(tensors, os.path.join(dst, base))
+            total += sum(a.nbytes for a in tensors.values())
             weight_map.update({n: base for n in tensors})
             progress(f"[twin] {base}: {len(tensors)} tensors")
     finally:
@@ -202,7 +187,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="example: python tools/make_fat_twin.py colibri/models/default /tmp/twin "
                                         "--width 4096")
-    ap.add_argument("src", help="model directory (colibri container or float safetensors checkpoint)")
+    ap.add_argument("src", help="model directory (colibri container, or an F32 / F16 safetensors checkpoint)")
     ap.add_argument("dst", help="new directory for the twin")
     ap.add_argument("--width", type=int, required=True,
                     help="the twin's moe_intermediate_size (>= the source's)")
