@@ -1571,6 +1571,11 @@ cdef class Model:
     cdef object _c_layers                         # every layer's weights suit layers_step (None: not known yet)
     cdef object _hbuf                             # the head's activation scratch (_head)
     cdef object _rec                              # experts used in place per layer: (int32 [n_layers], [n_layers, S·K])
+    cdef LayerStep *_mstep                        # [1] attend_step fields of the MTP layer (_build_mtp_step)
+    cdef object _mstep_key                        # what _mstep was built over (as _steps_key)
+    cdef object _dbuf                             # the draft chain's buffers (_chain_buffers)
+    cdef DraftChain *_chain                       # [1] the draft chain's fields (_fill_chain)
+    cdef object _chain_key                        # (Work, FfnScratch, buffers) _chain points into
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -2937,35 +2942,195 @@ cdef class Model:
         self._mm(self.eh_proj, &cv[0, 0], 1, &hv[0, 0], ws)
         return hx
 
-    def mtp_draft(self, int next_tok, int kv, int G):
+    def mtp_draft(self, int next_tok, int kv, int G, double min_p=0.0):
         """Native MTP chain (spec §6.6): up to G draft tokens for positions kv+1.. given next_tok
-        (the token chosen for position kv) and hlast (the residual at kv-1). Drafts are argmax."""
+        (the token chosen for position kv) and hlast (the residual at kv-1). Drafts are argmax.
+        min_p > 0: the chain ends before a draft whose top-1 probability under the head is below
+        min_p (it would likely be rejected and its verify row costs time). The chain runs in C
+        (mtp_chain) where the MTP layer suits layers_step; a step whose experts are not resident
+        finishes its MLP through the cache, then the chain goes on in C."""
         if not self.has_mtp or G < 1:
             return []
-        cdef int p = kv - 1, g, pos
+        cdef int p = kv - 1
         if p < 0:
             return []
-        c = self.cfg
-        NL = c.n_layers
+        NL = self.cfg.n_layers
         if self.kv_start[NL] < 0 or self.kv_start[NL] > p:
             self.kv_start[NL] = p
+        G = min(G, self.max_t - 2 - p)       # draft g sits at position p + g + 1 < max_t - 1
+        if G < 1:
+            drafts, self.mtp_logits = [], []
+        elif self._chain_ok(p + G):
+            drafts = self._mtp_chain(next_tok, p, G, min_p)
+        else:
+            drafts = self._mtp_draft_calls(next_tok, p, G, min_p)
+        self.mtp_next = kv                # row kv-1 now holds the true pair; later rows are speculative
+        return drafts
+
+    def _mtp_draft_calls(self, int tok, int p, int G, double min_p):
+        """mtp_draft call by call (float matrices, or attention that needs the per-call path)."""
         h = self.hlast
-        tok = next_tok
         drafts = []
         self.mtp_logits = []
         for g in range(G):
-            pos = p + g
-            if pos + 2 >= self.max_t:
-                break
             hx = self._mtp_input(tok, h, g == 0)
-            self.layer_forward(self.mtp, hx, 1, pos)
-            logits = self._mtp_logits(hx)
-            self.mtp_logits.append(logits[0])
-            tok = int(np.argmax(logits[0]))
+            self.layer_forward(self.mtp, hx, 1, p + g)
+            logits = self._mtp_logits(hx)[0]
+            tok = int(np.argmax(logits))
+            if min_p > 0 and 1.0 / np.exp(logits - logits[tok]).sum(dtype=np.float32) < min_p:
+                break
+            self.mtp_logits.append(logits)
             drafts.append(tok)
             h = hx[0]
-        self.mtp_next = kv                # row kv-1 now holds the true pair; later rows are speculative
         return drafts
+
+    def _chain_ok(self, int T):
+        """Can the draft chain run in C (mtp_chain)? The MTP layer's attention takes attend_step
+        and its dense MLP / shared expert is an integer matrix the fused MLP reads."""
+        if not self.stepped or not self.fused or self.etab == NULL:
+            return False
+        L = self.mtp
+        cdef Work ws = self._work(1, T)
+        return self._step_ok(L, 1, T, ws) and (L.gate is None or (
+            int_qt(L.gate, self.idot) and int_qt(L.up, self.idot) and int_qt(L.down, self.idot)))
+
+    cdef int _build_mtp_step(self, Work ws) except -1:
+        """self._mstep: the MTP layer's attend_step fields over ws (rebuilt as _build_steps is)."""
+        now = (ws, self._gsplit, self.Lc[self.cfg.n_layers], self.Rc[self.cfg.n_layers])
+        key = self._mstep_key
+        if self._mstep != NULL and key is not None and all(x is y for x, y in zip(key, now)):
+            return 0
+        if self._mstep == NULL:
+            self._mstep = <LayerStep *>calloc(1, sizeof(LayerStep))
+            if self._mstep == NULL:
+                raise MemoryError()
+        if self.mtp.input_group is None:
+            self._input_group(self.mtp, False)
+        self._fill_step(self.mtp, ws, self._mstep)
+        self._mstep_key = (ws, self._gsplit, self.Lc[self.cfg.n_layers], self.Rc[self.cfg.n_layers])
+        return 0
+
+    def _chain_buffers(self, int G, int K):
+        """The draft chain's buffers for G drafts (grown as needed and kept)."""
+        c = self.cfg
+        b = self._dbuf
+        if b is None or b["logits"].shape[0] < G:
+            D, W = c.hidden, 2 * c.hidden
+            nb = act_nblocks(W, self.act_block)
+            b = self._dbuf = {
+                "e": np.zeros(D, np.float32), "cat": np.zeros(W, np.float32),
+                "hx": np.zeros((1, D), np.float32), "hn": np.zeros(D, np.float32),
+                "logits": np.zeros((G, c.vocab), np.float32),
+                "toks": np.zeros(G + 1, np.int32),
+                "rec_nu": np.zeros(G, np.int32), "rec_ids": np.zeros((G, max(K, 1)), np.int32),
+                "t_nu": np.zeros(1, np.int32), "t_ids": np.zeros((1, max(K, 1)), np.int32),
+                "xq": np.zeros(2 * W, np.int8), "xs": np.zeros(2 * nb, np.float32),
+                "xr": np.zeros(W, np.float32), "xm": np.zeros(2 * nb, np.int32),
+                "xg": np.zeros(2 * coli_split_len(W) + 64, np.uint8),
+                "h0": np.zeros(D, np.float32), "k0": np.zeros(1, np.int32)}
+        return b
+
+    def _note_chain(self, int g0, int g1):
+        """The cache's bookkeeping (and the trace) of draft steps g0..g1-1 that mtp_chain finished
+        with resident experts used in place."""
+        NL = self.cfg.n_layers
+        nu, ids = self._dbuf["rec_nu"], self._dbuf["rec_ids"]
+        calls = [(NL, ids[i, :nu[i]].tolist()) for i in range(g0, g1) if nu[i] >= 0]
+        if calls:
+            self.cache.note_hits_calls(calls)
+            if self.trace is not None:
+                self.trace.extend((self.forwards, NL, 1, e) for _, e in calls)
+
+    cdef int _fill_chain(self, Work ws, FfnScratch fs, dict b) except -1:
+        """self._chain: the draft chain's pointers into ws, fs, the buffers b and the weights,
+        rebuilt only when one of ws, fs, b is replaced (the key holds them, so none is freed while
+        the chain points into it); mtp_draft sets the per-call fields."""
+        if self._chain != NULL and self._chain_key is not None and all(
+                x is y for x, y in zip(self._chain_key, (ws, fs, b))):
+            return 0
+        if self._chain == NULL:
+            self._chain = <DraftChain *>calloc(1, sizeof(DraftChain))
+            if self._chain == NULL:
+                raise MemoryError()
+        c = self.cfg
+        cdef int E = c.n_experts
+        cdef DraftChain *C = self._chain
+        cdef TokenStep *T = &C.T
+        cdef float[:, ::1] hxv = b["hx"], lgv = b["logits"]
+        cdef float[::1] ev = b["e"], cv = b["cat"], nv = b["hn"], h0 = b["h0"]
+        cdef float[::1] en = self.enorm, hn = self.hnorm, fn = self.final_norm, mn = self.mtp_norm
+        cdef int[::1] toks = b["toks"], rnu = b["rec_nu"], tnu = b["t_nu"], k0 = b["k0"]
+        cdef int[:, ::1] rids = b["rec_ids"], tids = b["t_ids"]
+        cdef int8_t[::1] xq = b["xq"]
+        cdef float[::1] xs = b["xs"], xr = b["xr"]
+        cdef int32_t[::1] xm = b["xm"]
+        cdef uint8_t[::1] xg = b["xg"]
+        T.steps, T.k0, T.nL, T.S = self._mstep, &k0[0], 1, 1
+        T.D, T.E, T.K, T.x, T.out = c.hidden, E, c.topk, &hxv[0, 0], &ws.out[0, 0]
+        T.etab = self.etab + <Py_ssize_t>c.n_layers * E
+        T.handoff = False
+        T.jobs, T.xq, T.hq, T.xs, T.g, T.u = fs.jobs, fs.p_xq, fs.p_hq, fs.p_xs, fs.p_g, fs.p_u
+        T.hs, T.yd, T.xr, T.xr_stride, T.W = fs.p_hs, fs.p_yd, fs.p_xr, fs.xr_stride, fs.I
+        T.xm = fs.p_xm if BLOCK_SUMS else NULL
+        T.hm = fs.p_hm if BLOCK_SUMS else NULL
+        T.xg, T.hg, T.xgs, T.hgs, T.urow, T.uw = fs.p_xg, fs.p_hg, fs.xgs, fs.hgs, fs.p_urow, fs.p_uw
+        T.rec_nu, T.rec_ids, T.rec_stride = &tnu[0], &tids[0, 0], tids.shape[1]
+        C.embed, C.eh, C.head = &self.embed.c, &self.eh_proj.c, &self.lm_head.c
+        C.enorm, C.hnorm, C.fnorm, C.mnorm, C.h0 = &en[0], &hn[0], &fn[0], &mn[0], &h0[0]
+        C.D, C.V, C.idot, C.block, C.eps = c.hidden, c.vocab, self.idot, self.act_block, c.eps
+        C.e, C.cat, C.hx, C.hn = &ev[0], &cv[0], &hxv[0, 0], &nv[0]
+        C.logits, C.toks, C.rec_nu, C.rec_ids = &lgv[0, 0], &toks[1], &rnu[0], &rids[0, 0]
+        C.xq, C.xs, C.xr, C.xm, C.xg = &xq[0], &xs[0], &xr[0], &xm[0] if BLOCK_SUMS else NULL, &xg[0]
+        self._chain_key = (ws, fs, b)
+        return 0
+
+    def _mtp_chain(self, int next_tok, int p, int G, double min_p):
+        """mtp_draft through mtp_chain (see there); returns the drafts."""
+        c = self.cfg
+        cdef int NL = c.n_layers, K = c.topk, g = 0, n
+        cdef bint resume = False
+        cdef Work ws = self._work(1, p + G)
+        self._build_mtp_step(ws)
+        cdef FfnScratch fs = self._ffn_scratch(K + 1, c.n_experts + 1, 0)
+        b = self._chain_buffers(G, K)
+        self._fill_chain(ws, fs, b)
+        cdef DraftChain *C = self._chain
+        cdef int k0 = self.kv_start[NL]
+        if not 0 <= k0 <= p:
+            raise EngineError(f"MTP layer: KV window starts at {k0}, after position {p}")
+        if p + G > self.Lc[NL].shape[0]:
+            raise EngineError(f"MTP KV rows {p}..{p + G - 1} exceed the cache")
+        if not 0 <= next_tok < self.embed.c.O:
+            raise ValueError(f"token id {next_tok} is outside the vocabulary [0, {self.embed.c.O})")
+        if self.mapped:
+            self._check_mapped(NL)
+        b["k0"][0] = k0
+        b["h0"][:] = self.hlast
+        b["toks"][0] = next_tok
+        C.T.pos_base, C.p, C.min_p = p, p, min_p
+        C.T.moe_c = not self.pilot or self.cache.prefetch_idle()
+        C.T.t_attn = C.T.t_moe = 0.0
+        C.top1, C.stop, C.bad = 1.0, 0, -1
+        while True:
+            with nogil:
+                n = mtp_chain(C, g, resume, G)
+            if C.bad >= 0:
+                raise EngineError(f"MTP layer: NaN in draft step {C.bad} (non-finite activations or weights)")
+            # the cache's bookkeeping of this segment's steps, before a hand-off may evict their experts
+            self._note_chain(g + (1 if resume else 0), n)
+            if C.stop != 2:
+                break
+            # step n's attention half is done; its MLP needs the cache (an expert not resident)
+            self._mlp_calls(self.mtp, b["hx"], 1, ws, self._mstep.nu)
+            b["rec_nu"][n] = -1
+            g, resume, C.stop = n, True, 0
+        if C.stop == 1:
+            n -= 1                          # the last draft fell below the threshold: dropped
+        self.stepped_calls += n
+        self.t_attn += C.T.t_attn
+        self.t_moe += C.T.t_moe
+        self.mtp_logits = b["logits"][:n].copy()
+        return b["toks"][1:1 + n].tolist()
 
     def _mtp_logits(self, hx):
         """Draft logits: lm_head · shared_head.norm(hx)."""
@@ -3061,7 +3226,7 @@ cdef class Model:
                     t_catch = time.perf_counter() - t_catch
                 for p in [p for p in pending if p < kv]:
                     del pending[p]
-                drafts = self.mtp_draft(nxt, kv, d)
+                drafts = self.mtp_draft(nxt, kv, d, getattr(policy, "min_p", 0.0))
             elif d > 0:
                 drafts = ngram_draft(ids, d)
             proposed = len(drafts)
@@ -3146,6 +3311,8 @@ cdef class Model:
     def __dealloc__(self):
         free(self.etab)
         free(self._steps)
+        free(self._mstep)
+        free(self._chain)
 
     def close(self):
         if self.cache is not None:
@@ -3576,6 +3743,93 @@ cdef int layers_step(TokenStep *T, int l0, int *attn_done) noexcept nogil:
                 T.rec_ids[l * T.rec_stride + i] = P.uniq[i]
     attn_done[0] = 0
     return T.nL
+
+
+cdef struct DraftChain:
+    # The MTP head's draft chain (mtp_chain) of one mtp_draft call; filled by Model._chain.
+    TokenStep T                         # the MTP layer as a one-layer forward (T.x = hx)
+    const QTc *embed                    # [V, D]
+    const QTc *eh                       # eh_proj [D, 2D]
+    const QTc *head                     # lm_head [V, D]
+    const float *enorm                  # [D]
+    const float *hnorm                  # [D]
+    const float *fnorm                  # [D] the model's final norm (the first step's hidden)
+    const float *mnorm                  # [D] shared_head.norm
+    const float *h0                     # [D] the main model's residual at position p (hlast)
+    int D, V, p, idot, block
+    float eps
+    float min_p                         # stop after a draft whose top-1 probability is below this
+    float *e                            # [D] embedding row
+    float *cat                          # [2D] eh_proj's input
+    float *hx                           # [D] the MTP residual (in/out of each step)
+    float *hn                           # [D] a normalized row
+    float *logits                       # [G, V] out: each draft's logits
+    int *toks                           # [G] in: toks[-1] is next_tok (toks - 1 valid); out: drafts
+    int *rec_nu                         # [G] out: experts each step used in place (-1: Python did it)
+    int *rec_ids                        # [G, K]
+    int8_t *xq                          # matmul scratch for rows of width <= 2D (see matmul_qt)
+    float *xs
+    float *xr
+    int32_t *xm
+    uint8_t *xg
+    float top1                          # out: top-1 probability of the last draft (min_p > 0)
+    int stop                            # out: why mtp_chain returned before G: 1 min_p, 2 hand-off
+    int bad                             # out: the step whose router or logits saw NaN, or -1
+
+
+cdef int mtp_chain(DraftChain *C, int g0, bint resume, int G) noexcept nogil:
+    """Draft steps g0 .. G-1 of the native MTP chain (spec §6.6) without Python between them:
+    hx = eh_proj · [enorm(embed(tok)) ; hnorm(h)] (h: final_norm(hlast) at step 0, the MTP layer's
+    last output after), the MTP layer on hx at position p + g (layers_step), then the draft
+    argmax(lm_head · shared_head.norm(hx)). resume: step g0's layer is already done (Python
+    finished its MLP). Returns the steps done (their drafts in C.toks); C.stop = 1: the last of
+    them fell below min_p; C.stop = 2: step g's attention half is done and its MLP is Python's
+    (an expert not resident)."""
+    cdef int g, i, D = C.D, V = C.V, best, done
+    cdef float mx, z
+    cdef float *lg
+    for g in range(g0, G):
+        if not (resume and g == g0):
+            memset(C.e, 0, D * sizeof(float))
+            qt_addrow(C.embed, C.toks[g - 1], 1.0, C.e)
+            rmsnorm_row(C.cat, C.e, C.enorm, D, C.eps)
+            if g == 0:
+                rmsnorm_row(C.hn, C.h0, C.fnorm, D, C.eps)
+                rmsnorm_row(C.cat + D, C.hn, C.hnorm, D, C.eps)
+            else:
+                rmsnorm_row(C.cat + D, C.hx, C.hnorm, D, C.eps)
+            matmul_qt(C.eh, C.cat, 1, C.hx, C.xq, C.xs, C.xr, C.block, C.idot, C.xm, C.xg)
+            C.T.pos_base = C.p + g
+            if layers_step(&C.T, 0, &done) < 1:
+                if C.T.bad >= 0:
+                    C.bad = g
+                else:
+                    C.stop = 2
+                return g
+            C.rec_nu[g] = C.T.rec_nu[0]
+            for i in range(C.T.rec_nu[0] if C.T.rec_nu[0] > 0 else 0):
+                C.rec_ids[g * C.T.rec_stride + i] = C.T.rec_ids[i]
+        rmsnorm_row(C.hn, C.hx, C.mnorm, D, C.eps)
+        lg = C.logits + <Py_ssize_t>g * V
+        matmul_qt(C.head, C.hn, 1, lg, C.xq, C.xs, C.xr, C.block, C.idot, C.xm, C.xg)
+        best = 0
+        for i in range(V):
+            if isnan(lg[i]):
+                C.bad = g
+                return g
+            if lg[i] > lg[best]:
+                best = i
+        C.toks[g] = best
+        if C.min_p > 0:
+            mx = lg[best]
+            z = 0.0
+            for i in range(V):
+                z += expf(lg[i] - mx)
+            C.top1 = 1.0 / z
+            if C.top1 < C.min_p:
+                C.stop = 1
+                return g + 1
+    return G
 
 
 cdef int dsa_topk(const float *qi, const float *w, const float *Ic, int nk, int nh, int hd, int topk,

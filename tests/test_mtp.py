@@ -132,3 +132,54 @@ def test_lazy_absorb_gives_exact_mtp_context():
         ref.mtp_absorb(history[1:kv], h[:kv - 1], 0)
         ref.hlast = h[kv - 1].copy()
         assert ref.mtp_draft(nxt, kv, len(drafts)) == drafts, kv
+
+
+@pytest.fixture(scope="module")
+def mtp_int4(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("mtp_int4")
+    convert(MTP, dst, ConvertOptions(expert_bits=4, dense_bits=4), verbose=False)
+    return dst
+
+
+@pytest.mark.parametrize("cache", [0, 1])
+def test_draft_chain_in_c_equals_the_calls(mtp_int4, mref, cache):
+    """The chain in C (mtp_chain: no Python between draft steps) drafts and scores exactly what
+    the layer-by-layer calls do; with one expert per layer cached, steps whose MTP experts are not
+    resident hand their MLP to the cache and the chain goes on."""
+    full = mref["full_ids"]
+    fast = model_init(mtp_int4, cache_experts=cache)
+    slow = model_init(mtp_int4, cache_experts=cache)
+    slow.stepped = False                                # the per-call path, draft steps too
+    a, first_a, _ = _chains(fast, full, 4)
+    b, first_b, _ = _chains(slow, full, 4)
+    assert fast.stepped_calls > 0 and slow.stepped_calls == 0
+    assert a == b and sum(map(len, a)) == 4 * len(a)
+    np.testing.assert_array_equal(first_a, first_b)
+
+
+def test_draft_chain_stops_below_min_p(mtp_int4, mref):
+    """min_p ends the chain before a draft the head itself doubts: the drafts are a prefix of the
+    full chain's, none at all when min_p exceeds 1; greedy decoding stays lossless."""
+    m = model_init(mtp_int4)
+    full = mref["full_ids"][:12]
+    m.kv_alloc(len(full) + 8)
+    m.step_all(full, 0)
+    h = np.array(m.h_all, copy=True)
+    m.mtp_absorb(full[1:], h[:-1], 0)
+    lengths = set()
+    for min_p in (0.0, 0.05, 0.3, 0.9, 1.01):
+        m.hlast = h[-1].copy()
+        d = m.mtp_draft(5, len(full), 4, min_p)
+        if min_p == 0.0:
+            whole = d
+        assert d == whole[:len(d)] and len(m.mtp_logits) == len(d)
+        lengths.add(len(d))
+    assert len(whole) == 4 and 0 in lengths
+    pol = DraftPolicy(3)
+    pol.min_p = 0.3
+    prompt = [3, 14, 159, 26, 53]
+    plain, _ = decode(m, prompt, 40, 0)
+    m.kv_alloc(60)
+    ids = list(prompt)
+    out, _ = m.spec_decode(ids, len(prompt), 40, m.step(ids, 0), _core.Sampler(256, 0.0), pol)
+    assert out == plain
