@@ -3212,7 +3212,7 @@ cdef class Model:
             if len(out) >= n_new:
                 break                     # the last token is not forwarded (spec §11.20)
             t0 = time.perf_counter()
-            t_catch = 0.0
+            t_catch = t_absorb = 0.0
             self.lookahead_on = self.pilot and self.lookahead.enabled()    # (no lookahead: no counters read)
             d = policy.depth()
             drafts = []
@@ -3229,6 +3229,7 @@ cdef class Model:
                 drafts = self.mtp_draft(nxt, kv, d, getattr(policy, "min_p", 0.0))
             elif d > 0:
                 drafts = ngram_draft(ids, d)
+            t_draft = time.perf_counter() - t0 - t_catch
             proposed = len(drafts)
             if trace is not None and drafts:
                 trace.append((kv, nxt, list(drafts)))
@@ -3237,7 +3238,9 @@ cdef class Model:
             g = len(drafts)
             if kv + 1 + g > self.max_t:
                 raise ValueError(f"position {kv + g} is beyond the KV cache of {self.max_t} positions")
+            t_verify = time.perf_counter()
             lo = self.step_all([nxt] + drafts, kv)
+            t_verify = time.perf_counter() - t_verify
             h_all = self.h_all
             k = 0
             done = False
@@ -3256,14 +3259,18 @@ cdef class Model:
                     emit(drafts[k])
                 k += 1
             if self.has_mtp and d > 0 and k >= 1:
+                t_absorb = time.perf_counter()
                 self.mtp_absorb(ids[kv + 1:kv + 1 + k], h_all[:k], kv)   # rows kv..kv+k-1
+                t_absorb = time.perf_counter() - t_absorb
             if self.has_mtp and not policy.off:
                 for i in range(k if (d > 0 and k >= 1) else 0, k + 1):
                     pending[kv + i] = np.array(h_all[i], copy=True)
             self.hlast = np.array(h_all[k], copy=True)
             kv += 1 + k
             logits = lo[k]
-            policy.record(d, proposed, k, time.perf_counter() - t0 - t_catch)
+            t_iter = time.perf_counter() - t0
+            policy.record(d, proposed, k, t_iter - t_catch, verified=g,
+                          parts=(t_draft, t_verify, t_absorb + t_catch, t_iter))
             if self.pilot:
                 self.lookahead.record(time.perf_counter() - t0, 1 + k)
             self.decode_forwards += 1

@@ -263,9 +263,10 @@ class LLM:
             t_prefill = time.perf_counter() - t0
             history = list(ids)
             finish = "length"
+            policy = DraftPolicy(draft)
             try:
                 out, kv = m.spec_decode(history, len(ids), max_tokens, logits,
-                                        Sampler(self.cfg.vocab, temperature, top_p, seed), DraftPolicy(draft),
+                                        Sampler(self.cfg.vocab, temperature, top_p, seed), policy,
                                         stops=self.eos, emit=emit)
                 self.history = history[:kv]
                 if len(out) < max_tokens:
@@ -282,7 +283,8 @@ class LLM:
             stats = {"prefill_s": t_prefill, "decode_s": t_total - t_prefill,
                      "decode_tok_s": len(out) / max(t_total - t_prefill, 1e-9),
                      "tokens_per_forward": len(out) / max(m.decode_forwards, 1),
-                     "hit_rate": m.cache.stats["hit_rate"]}
+                     "hit_rate": m.cache.stats["hit_rate"], "bytes_read": m.bytes_read,
+                     "decode_forwards": m.decode_forwards, **policy.stats()}
         return Completion(text=tail.text, token_ids=list(out), prompt_tokens=len(ids),
                           completion_tokens=len(out), finish_reason=finish, prefill_tokens=len(ids) - common,
                           stats=stats)

@@ -55,6 +55,10 @@ class DraftPolicy:
         self.max_probe_gap = max_probe_gap
         self._since_probe = 0
         self._last = 0
+        self.min_p = 0.0                # the draft chain ends below this top-1 probability (mtp_draft)
+        self.verified_at = [0] * (self.max_depth + 1)   # drafts verified / accepted, by position
+        self.accepted_at = [0] * (self.max_depth + 1)
+        self.time_s = {"draft": 0.0, "verify": 0.0, "absorb": 0.0, "iterations": 0.0}
 
     # -- decisions ------------------------------------------------------------------------------
 
@@ -106,11 +110,21 @@ class DraftPolicy:
 
     # -- measurements ---------------------------------------------------------------------------
 
-    def record(self, depth: int, proposed: int, accepted: int, seconds: float):
-        """One iteration: the depth it ran at, drafts proposed / accepted, its wall time."""
+    def record(self, depth: int, proposed: int, accepted: int, seconds: float, verified: int = None,
+               parts=None):
+        """One iteration: the depth it ran at, drafts proposed / accepted, its wall time (without
+        one-off catch-up); verified: drafts that went into the verify batch (default: proposed);
+        parts: its seconds (draft chain, verify forward, MTP absorb, whole iteration)."""
         self.iterations += 1
         self.proposed += proposed
         self.accepted += accepted
+        verified = proposed if verified is None else verified
+        for i in range(min(verified, len(self.verified_at))):
+            self.verified_at[i] += 1
+            self.accepted_at[i] += i < accepted
+        if parts is not None:
+            for key, v in zip(("draft", "verify", "absorb", "iterations"), parts):
+                self.time_s[key] += v
         if depth in self.cost:
             self.cost[depth] += self.ema * (seconds - self.cost[depth])
         else:
@@ -121,7 +135,13 @@ class DraftPolicy:
             self.off = True
 
     def stats(self) -> dict:
+        t = self.time_s
         return {"drafts_proposed": self.proposed, "drafts_accepted": self.accepted,
                 "acceptance": (self.accepted / self.proposed) if self.proposed else 0.0,
-                "draft_off": self.off,
-                "draft_cost_s": {str(k): v for k, v in sorted(self.cost.items())}}
+                "draft_off": self.off, "draft_iterations": self.iterations,
+                "draft_cost_s": {str(k): v for k, v in sorted(self.cost.items())},
+                # acceptance of the i-th draft among the iterations that verified an i-th draft
+                "acceptance_by_position": [a / v for a, v in zip(self.accepted_at, self.verified_at) if v],
+                "drafts_verified_by_position": [v for v in self.verified_at if v],
+                "time_draft_s": t["draft"], "time_verify_s": t["verify"], "time_absorb_s": t["absorb"],
+                "time_spec_python_s": max(t["iterations"] - t["draft"] - t["verify"] - t["absorb"], 0.0)}

@@ -105,8 +105,8 @@ class _Pattern(DraftPolicy):
         self.i += 1
         return d
 
-    def record(self, *a):
-        super().record(*a)
+    def record(self, *a, **kw):
+        super().record(*a, **kw)
         self.off = False
 
 
