@@ -186,7 +186,7 @@ class LLM:
         self.context = min(o.context or min(limit, 4096), limit)
         self.tiers = _tiers.configure(self.model, self.context, requested=o.cache_experts, ram_gb=o.ram_gb,
                                       pin=o.pin, pin_gb=o.pin_gb, autopin=o.autopin, prefetch=o.prefetch,
-                                      warm=o.warm_experts)
+                                      warm=o.warm_experts, mtp_tier=o.draft != 0)
         self.model.kv_alloc(self.context)
         self.eos = set(self.cfg.eos_ids)
         self.history: List[int] = []       # tokens whose KV rows are valid, from position 0
@@ -284,6 +284,7 @@ class LLM:
                      "decode_tok_s": len(out) / max(t_total - t_prefill, 1e-9),
                      "tokens_per_forward": len(out) / max(m.decode_forwards, 1),
                      "hit_rate": m.cache.stats["hit_rate"], "bytes_read": m.bytes_read,
+                     "mtp_hit_rate": m.cache.row_hit_rate(self.cfg.n_layers) if m.has_mtp else None,
                      "decode_forwards": m.decode_forwards, **policy.stats()}
         return Completion(text=tail.text, token_ids=list(out), prompt_tokens=len(ids),
                           completion_tokens=len(out), finish_reason=finish, prefill_tokens=len(ids) - common,

@@ -30,6 +30,11 @@ BUDGET_FRACTION = 0.88              # share of MemAvailable the engine may plan 
 FALLBACK_BUDGET = 8_000_000_000     # when available memory is unknown
 PAGE_CACHE_RESERVE_MAX = 2_500_000_000
 EXTRA_CALL_EXPERTS = 16             # experts a call may hold beyond the LRU capacity
+# The MTP tier: every expert of the MTP row held in RAM (pinned) when that takes at most this share
+# of the room left for experts. Each draft step routes through the MTP layer, so a drafted token
+# reads its experts up to depth times per iteration: per byte they are the most used experts of all,
+# and a draft that waits on the disk for them costs more than it saves.
+MTP_TIER_SHARE = 0.25
 _UNLIMITED = 1 << 60                # cgroup v1 reports "no limit" as a huge number
 
 
@@ -193,6 +198,7 @@ class RamPlan:
     lru_bytes: int = 0              # capacity × n_moe_rows × expert_bytes
     call_bytes: int = 0             # experts a call holds beyond capacity (see plan_ram)
     mtp_expert_bytes: int = 0
+    mtp_tier: bool = False          # every MTP expert pinned (mtp_bytes = n_experts × mtp_expert_bytes)
     n_experts: int = 0
     streaming: bool = False
     expert_avail_bytes: int = 0     # budget left for pins + LRU rows (for autopin_budget)
@@ -219,7 +225,7 @@ class RamPlan:
 def plan_ram(resident_bytes, kv_bytes, work_bytes, expert_bytes, n_moe_rows, n_experts,
              requested_capacity, pin_bytes=0, ram_bytes=None, mtp_expert_bytes=None,
              page_cache_reserve=None, *, extra_call_experts=EXTRA_CALL_EXPERTS, streaming=None,
-             prefetch=True, mem_available=None) -> RamPlan:
+             prefetch=True, mem_available=None, mtp_tier=True) -> RamPlan:
     """Size the per-layer expert LRU for the RAM budget.
 
     Budget: ``ram_bytes`` when given, else 0.88 × :func:`mem_available_bytes` (8 GB, with a note,
@@ -255,6 +261,11 @@ def plan_ram(resident_bytes, kv_bytes, work_bytes, expert_bytes, n_moe_rows, n_e
     ``expert_avail_bytes`` = budget − (resident + kv + work + buffers + call + reserve), at least 0:
     the room for pins and LRU rows under this plan, the input of ``usage.autopin_budget`` (plan
     once with pin_bytes=0, choose pins, plan again with their bytes).
+
+    MTP tier (``mtp_tier``, an MTP row with routed experts, a capacity below n_experts): when
+    n_experts × mtp_expert_bytes is at most ``MTP_TIER_SHARE`` of expert_avail_bytes, the MTP row
+    holds every expert (``mtp_tier``; the engine pins them) and its term becomes
+    n_experts × mtp_expert_bytes; the capacity is sized again with that term.
     """
     def nonneg(name, v):
         v = int(v)
@@ -299,29 +310,22 @@ def plan_ram(resident_bytes, kv_bytes, work_bytes, expert_bytes, n_moe_rows, n_e
     def streams(c):
         return (c < n_experts) if streaming is None else bool(streaming)
 
+    tier = False                        # the MTP row holds every expert (see mtp_tier)
+
     def parts(c):
-        return (c * n_moe_rows * expert_bytes, c * mtp_eb,
+        return (c * n_moe_rows * expert_bytes, (n_experts if tier else c) * mtp_eb,
                 min(extra_call_experts, n_experts - c) * max_eb,
                 reserve_full if streams(c) else 0)
 
     def total(c):
         return fixed + sum(parts(c))
 
-    target = min(requested_capacity, n_experts) if requested_capacity > 0 else n_experts
-    if requested_capacity > n_experts:
-        notes.append(f"capacity {requested_capacity} clamped to the {n_experts} experts per layer")
-    if total(target) <= budget:
-        cap = target
-    else:
+    def fits(target):
+        """The largest capacity <= target that fits (target when it does), or None (not even 1)."""
+        if total(target) <= budget:
+            return target
         if total(1) > budget:
-            need = total(1)
-            l1, m1, c1, r1 = parts(1)
-            raise ValueError(
-                f"not enough RAM: even 1 cached expert per layer needs {_gb(need)} ({need} bytes: "
-                f"resident {_gb(resident_bytes)}, KV {_gb(kv_bytes)}, work {_gb(work_bytes)}, pins "
-                f"{_gb(pin_bytes)}, experts {_gb(l1 + m1 + c1 + buffers)}, page-cache reserve {_gb(r1)}), "
-                f"but the budget is {_gb(budget)} ({budget} bytes, {source}); give more RAM, fewer pins "
-                f"or a shorter context")
+            return None
         lo, hi = 1, target - 1                  # total(lo) fits, total(target) does not
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -329,17 +333,41 @@ def plan_ram(resident_bytes, kv_bytes, work_bytes, expert_bytes, n_moe_rows, n_e
                 lo = mid
             else:
                 hi = mid - 1
-        cap = lo
-        if requested_capacity > 0:
-            notes.append(f"capacity lowered {target} -> {cap}: {target} would need "
-                         f"{_gb(total(target))} of a {_gb(budget)} budget")
+        return lo
+
+    def room(c):
+        return max(0, budget - (resident_bytes + kv_bytes + work_bytes + buffers + sum(parts(c)[2:])))
+
+    target = min(requested_capacity, n_experts) if requested_capacity > 0 else n_experts
+    if requested_capacity > n_experts:
+        notes.append(f"capacity {requested_capacity} clamped to the {n_experts} experts per layer")
+    cap = fits(target)
+    if cap is not None and mtp_tier and mtp_eb and cap < n_experts and \
+            n_experts * mtp_eb <= MTP_TIER_SHARE * room(cap):
+        tier = True
+        cap = fits(target)
+        if cap is None:                         # pins leave no room for the tier and one LRU expert
+            tier = False
+            cap = fits(target)
+    if cap is None:
+        need = total(1)
+        l1, m1, c1, r1 = parts(1)
+        raise ValueError(
+            f"not enough RAM: even 1 cached expert per layer needs {_gb(need)} ({need} bytes: "
+            f"resident {_gb(resident_bytes)}, KV {_gb(kv_bytes)}, work {_gb(work_bytes)}, pins "
+            f"{_gb(pin_bytes)}, experts {_gb(l1 + m1 + c1 + buffers)}, page-cache reserve {_gb(r1)}), "
+            f"but the budget is {_gb(budget)} ({budget} bytes, {source}); give more RAM, fewer pins "
+            f"or a shorter context")
+    if cap < target and requested_capacity > 0:
+        notes.append(f"capacity lowered {target} -> {cap}: {target} would need "
+                     f"{_gb(total(target))} of a {_gb(budget)} budget")
     lru, mtp, call, reserve = parts(cap)
     peak = fixed + lru + mtp + call + reserve
-    avail_experts = max(0, budget - (resident_bytes + kv_bytes + work_bytes + buffers + call + reserve))
+    avail_experts = room(cap)
     return RamPlan(budget_bytes=budget, resident_bytes=resident_bytes, kv_bytes=kv_bytes,
                    work_bytes=work_bytes, mtp_bytes=mtp, buffers_bytes=buffers,
                    page_cache_reserve_bytes=reserve, expert_bytes=expert_bytes,
                    n_moe_rows=n_moe_rows, capacity=cap, pin_bytes=pin_bytes,
                    projected_peak_bytes=peak, notes=notes, lru_bytes=lru, call_bytes=call,
-                   mtp_expert_bytes=mtp_eb, n_experts=n_experts, streaming=streams(cap),
+                   mtp_expert_bytes=mtp_eb, mtp_tier=tier, n_experts=n_experts, streaming=streams(cap),
                    expert_avail_bytes=avail_experts, budget_source=source)

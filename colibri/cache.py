@@ -205,6 +205,8 @@ class ExpertCache:
         # call when the experts the cache holds can no longer be used (e.g. their file shrank).
         self.guard = None
         self._usage = [[0] * n_experts for _ in range(n_rows)]    # per-call increments stay in Python ints
+        self._row_requests = [0] * n_rows     # distinct experts requested per row, and read (missed)
+        self._row_misses = [0] * n_rows
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)     # prefetch queue / worker state
@@ -532,6 +534,7 @@ class ExpertCache:
         row = self._usage[layer]
         for e in eids:
             row[e] += 1
+        self._row_requests[layer] += len(distinct)
         if self._queue:
             # prefetches of this row still queued are now late: this call reads what it needs,
             # and a later load would only displace experts (counted as skipped)
@@ -637,6 +640,7 @@ class ExpertCache:
                 self._inflight[(layer, e)] = p
                 misses.append(p)
                 st["misses"] += 1
+                self._row_misses[layer] += 1
         f._waits, f._misses, f._futures = waits, misses, []
         if inline and len(misses) == 1:
             t0 = time.perf_counter()
@@ -884,6 +888,8 @@ class ExpertCache:
         with self._lock:
             for k in _COUNTERS:
                 self._st[k] = 0.0 if k in _FLOAT_COUNTERS else 0
+            self._row_requests = [0] * self.n_rows
+            self._row_misses = [0] * self.n_rows
 
     def reset_usage(self) -> None:
         with self._lock:
@@ -919,6 +925,13 @@ class ExpertCache:
         if kept:
             hits += s["hits_kept"]
         return hits / s["requests"] if s["requests"] else 0.0
+
+    def row_hit_rate(self, layer: int):
+        """Share of the distinct experts requested from cache row ``layer`` that were not read
+        (found in a tier or in flight); None before any request."""
+        with self._lock:
+            n = self._row_requests[layer]
+            return 1.0 - self._row_misses[layer] / n if n else None
 
     def hit_rate(self) -> float:
         """(hits_pin + hits_lru + hits_kept + prefetch_waits + inflight_waits) / requests (0.0 before

@@ -248,7 +248,8 @@ def _ctx_for(cfg, ctx):
 
 
 def build_report(model_dir, *, dense_bits: int = 32, expert_bits: int = 32, ctx=None, ram_gb=None,
-                 cache_experts: int = 0, prefetch: bool = True, runtime_bytes=None, mem_available=None) -> dict:
+                 cache_experts: int = 0, prefetch: bool = True, runtime_bytes=None, mem_available=None,
+                 mtp_tier: bool = True) -> dict:
     """The plan of a model directory, as a JSON-ready dict. Raises :class:`PlanError`,
     ``ConfigError`` or ``ContainerError`` (each naming the file) on bad input.
 
@@ -298,7 +299,7 @@ def build_report(model_dir, *, dense_bits: int = 32, expert_bits: int = 32, ctx=
     ctx = _ctx_for(cfg, ctx)
     with SafeTensorsDir(model_dir) as st:
         rep = _report(st, cfg, model_dir, dense_bits, expert_bits, ctx)
-    _add_ram(rep, cfg, ctx, ram_gb, cache_experts, prefetch, runtime_bytes, mem_available)
+    _add_ram(rep, cfg, ctx, ram_gb, cache_experts, prefetch, runtime_bytes, mem_available, mtp_tier)
     return rep
 
 
@@ -422,7 +423,7 @@ def _report(st, cfg, model_dir, dense_bits, expert_bits, ctx) -> dict:
     }
 
 
-def _add_ram(rep, cfg, ctx, ram_gb, cache_experts, prefetch, runtime_bytes, mem_available) -> None:
+def _add_ram(rep, cfg, ctx, ram_gb, cache_experts, prefetch, runtime_bytes, mem_available, mtp_tier) -> None:
     """The RAM plan, with the inputs tiers.configure gives plan_ram."""
     from .tiers import current_rss_bytes
     res = rep["resident"]
@@ -451,8 +452,9 @@ def _add_ram(rep, cfg, ctx, ram_gb, cache_experts, prefetch, runtime_bytes, mem_
                   mtp_expert_bytes=(mtp["expert_bytes"] if mtp else 0) or None, prefetch=prefetch)
     rep["runtime_bytes"] = runtime_bytes
     rep["runtime_source"] = source
-    def peak(c):
-        return _budget.plan_ram(**dict(kw, requested_capacity=c, ram_bytes=1 << 62)).projected_peak_bytes
+    def peak(c):        # without the MTP tier: it is taken only where it fits
+        return _budget.plan_ram(**dict(kw, requested_capacity=c, ram_bytes=1 << 62),
+                                mtp_tier=False).projected_peak_bytes
     # The projection grows with the capacity while experts stream; caching every expert drops the
     # page-cache reserve and the call allowance, so it can need less than one cached expert per row.
     target = kw["n_experts"] if kw["requested_capacity"] == 0 else min(kw["requested_capacity"], kw["n_experts"])
@@ -460,7 +462,7 @@ def _add_ram(rep, cfg, ctx, ram_gb, cache_experts, prefetch, runtime_bytes, mem_
     out["all_cached_ram_bytes"] = peak(kw["n_experts"])
     out["min_ram_bytes"] = min(out["one_cached_ram_bytes"], peak(target))
     try:
-        plan = _budget.plan_ram(**kw, mem_available=mem_available)
+        plan = _budget.plan_ram(**kw, mem_available=mem_available, mtp_tier=mtp_tier)
     except ValueError as e:
         out["error"] = str(e)
         rep["ram"] = out
@@ -468,7 +470,7 @@ def _add_ram(rep, cfg, ctx, ram_gb, cache_experts, prefetch, runtime_bytes, mem_
     fields = ("budget_bytes", "budget_source", "projected_peak_bytes", "capacity", "n_experts", "streaming",
               "resident_bytes", "kv_bytes", "work_bytes", "buffers_bytes", "lru_bytes", "mtp_bytes",
               "call_bytes", "page_cache_reserve_bytes", "pin_bytes", "expert_bytes", "mtp_expert_bytes",
-              "n_moe_rows", "expert_avail_bytes")
+              "mtp_tier", "n_moe_rows", "expert_avail_bytes")
     out.update({f: getattr(plan, f) for f in fields})
     out["notes"] = list(plan.notes)
     all_rows = [r["expert_disk_bytes"] for r in rows] + ([mtp["expert_disk_bytes"]] if mtp else [])

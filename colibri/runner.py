@@ -89,7 +89,7 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
     cfg = model.cfg
     tiers = _tiers.configure(model, need, requested=args.cache_experts, ram_gb=args.ram, pin=args.pin,
                              pin_gb=args.pin_gb, autopin=not args.no_autopin, prefetch=not args.no_prefetch,
-                             warm=not args.lazy_experts)
+                             warm=not args.lazy_experts, mtp_tier=draft_mode != 0)
     if not args.quiet:
         print(tiers.summary(), file=sys.stderr)
     sampler = Sampler(cfg.vocab, args.temperature, args.top_p, args.seed)
@@ -152,10 +152,7 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
               f"decode {n_dec} tok in {t_decode:.3f}s ({stats['decode_tok_s']:.1f} tok/s) | "
               f"peak RSS {stats['peak_rss_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
         print(tier_line(stats), file=sys.stderr)
-        print(f"speculation: {stats['tokens_per_forward']:.2f} tokens/forward | drafts proposed "
-              f"{stats['drafts_proposed']}, accepted {stats['drafts_accepted']} "
-              f"({100 * stats['acceptance']:.1f}%){' | drafting turned off' if stats['draft_off'] else ''}",
-              file=sys.stderr)
+        print(spec_line(stats), file=sys.stderr)
     if args.stats_json:
         with open(args.stats_json, "w") as f:
             json.dump(stats, f)
@@ -168,6 +165,22 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
     return 0
 
 
+def spec_line(s: dict) -> str:
+    """The run summary's speculation line: tokens per forward, drafts, acceptance by position,
+    the MTP experts' hit rate and where the drafting iterations' time went."""
+    parts = [f"speculation: {s['tokens_per_forward']:.2f} tokens/forward",
+             f"drafts proposed {s['drafts_proposed']}, accepted {s['drafts_accepted']} ({100 * s['acceptance']:.1f}%)"
+             + (" | drafting turned off" if s["draft_off"] else "")]
+    if s.get("acceptance_by_position"):
+        parts.append("by position " + " ".join(f"{100 * a:.0f}%" for a in s["acceptance_by_position"]))
+    if s.get("mtp_hit_rate") is not None and s["drafts_proposed"]:
+        parts.append(f"MTP experts hit {100 * s['mtp_hit_rate']:.1f}%")
+    if s["drafts_proposed"]:
+        parts.append(f"time: draft {s['time_draft_s']:.3f}s, verify {s['time_verify_s']:.3f}s, "
+                     f"absorb {s['time_absorb_s']:.3f}s, between {s['time_spec_python_s']:.3f}s")
+    return " | ".join(parts)
+
+
 def tier_stats(model, tiers, wall_s: float) -> dict:
     """Cache tiers, disk and time split of a run (the fields tools read from --stats-json)."""
     cs = model.cache.stats
@@ -176,6 +189,8 @@ def tier_stats(model, tiers, wall_s: float) -> dict:
     plan = tiers.plan
     return {
         "hit_rate": cs["hit_rate"], "lru_hit_rate": cs["lru_hit_rate"], "hits_pin": cs["hits_pin"],
+        "mtp_hit_rate": model.cache.row_hit_rate(model.cfg.n_layers) if model.has_mtp else None,
+        "mtp_tier_bytes": tiers.mtp_tier_bytes,
         "hits_lru": cs["hits_lru"], "hits_kept": cs["hits_kept"], "kept_bytes": cs["kept_bytes"],
         "experts_mapped": bool(getattr(model, "mapped", False)),
         "prefetch_waits": cs["prefetch_waits"], "misses": cs["misses"], "loads": cs["loads"],

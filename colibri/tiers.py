@@ -116,12 +116,16 @@ class Tiers:
     warmed: int = 0
     warmed_bytes: int = 0
     warm_s: float = 0.0
+    mtp_tier_bytes: int = 0         # the MTP row's experts pinned whole (the MTP tier)
     notes: list = field(default_factory=list)
 
     def summary(self) -> str:
         s = self.plan.summary()
         if self.pinned:
             s += f"\n[PIN] hot-store: {self.pinned} experts in RAM ({self.pinned_bytes / 1e6:.1f} MB) from {self.pin_source}"
+        if self.mtp_tier_bytes:
+            s += (f"\n[PIN] MTP tier: every expert of the MTP layer in RAM ({self.mtp_tier_bytes / 1e6:.1f} MB): "
+                  "drafts never wait on the disk")
         if self.warmed:
             s += (f"\n[RAM] every expert fits: {self.warmed} read at start-up ({self.warmed_bytes / 1e6:.1f} MB "
                   f"in {self.warm_s:.2f}s; --lazy-experts reads them on first use)")
@@ -143,7 +147,7 @@ class Tiers:
 
 def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin_gb=None,
               autopin: bool = True, prefetch: bool = True, learn: bool = True, runtime=None,
-              warm: bool = True, progress=None) -> Tiers:
+              warm: bool = True, progress=None, mtp_tier: bool = True) -> Tiers:
     """Size the expert cache for the RAM budget and pin experts; see the module docstring.
 
     requested: experts per layer asked for (0 = as many as the budget allows, up to all);
@@ -152,7 +156,8 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
     learn: keep the history file up to date (``Tiers.save_usage``); runtime: bytes the process holds
     besides the model (default: measured, see ``runtime_bytes``); warm: when the budget holds every
     routed expert, read them all now (``warm_all``; progress(done, total) after
-    each) rather than on their first use mid-generation."""
+    each) rather than on their first use mid-generation. mtp_tier: pin every expert of the MTP
+    row when the plan takes the MTP tier (budget.MTP_TIER_SHARE; pass False without drafting)."""
     c = model.cfg
     rows = expert_bytes_by_row(model)
     main = [b for b in rows[:c.n_layers] if b > 0]
@@ -164,7 +169,7 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
               work_bytes=work_bytes_estimate(model, ctx) + (runtime_bytes(model) if runtime is None else int(runtime)),
               expert_bytes=max(main), n_moe_rows=len(main),
               n_experts=c.n_experts, requested_capacity=requested, ram_bytes=_gb(ram_gb),
-              mtp_expert_bytes=rows[c.n_layers] or None, prefetch=prefetch)
+              mtp_expert_bytes=rows[c.n_layers] or None, prefetch=prefetch, mtp_tier=mtp_tier)
     if ram_gb is None:
         # the budget counts what this process holds already (the resident weights model_init
         # loaded are no longer in MemAvailable, and the projection counts them)
@@ -195,11 +200,16 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
         if want:
             items = _usage.choose_pins(t.history, want, rows)
             t.pin_source = f"{t.usage_file} (autopin, {t.history_total} selections of history)"
+    if plan.mtp_tier:
+        items = [it for it in items if it[0] != c.n_layers]    # the tier holds that row whole
     if items:
         t.pinned_bytes = int(model.cache.pin(items))
         t.pinned = len(items)
         kw["pin_bytes"] = sum(rows[layer] for layer, _ in items)
         t.plan = plan = _budget.plan_ram(**kw)
+    if plan.mtp_tier:
+        # counted in the plan's mtp term, not in pin_bytes
+        t.mtp_tier_bytes = int(model.cache.pin([(c.n_layers, e) for e in range(c.n_experts)]))
     model.cache.set_capacity(plan.capacity)
     if model.keeps_evicted():
         # experts evicted from the LRU stay in memory (mapped, or in their buffers) within the

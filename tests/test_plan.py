@@ -83,12 +83,15 @@ def test_ram_plan_equals_configure(name, loaded, tmp_path, monkeypatch):
     m = loaded(name, 32, 32)
     E = m.cfg.n_experts
     for ctx in (64, None):
-        two = plan.build_report(MODELS[name], ctx=ctx, ram_gb=8, runtime_bytes=12345, cache_experts=2)
+        two = plan.build_report(MODELS[name], ctx=ctx, ram_gb=8, runtime_bytes=12345, cache_experts=2,
+                                mtp_tier=False)
         ctx = two["ctx"]
         tight = (two["ram"]["projected_peak_bytes"] + 100) / 1e9     # fits 2 cached experts per row, not 3
         for ram_gb, req, cap in ((8, 0, E), (8, 3, 3), (8, 2, 2), (tight, 4, 2), (tight, 0, E)):
-            r = plan.build_report(MODELS[name], ctx=ctx, ram_gb=ram_gb, runtime_bytes=12345, cache_experts=req)
-            t = tiers.configure(m, ctx, requested=req, ram_gb=ram_gb, runtime=12345, autopin=False, learn=False)
+            r = plan.build_report(MODELS[name], ctx=ctx, ram_gb=ram_gb, runtime_bytes=12345, cache_experts=req,
+                                  mtp_tier=False)
+            t = tiers.configure(m, ctx, requested=req, ram_gb=ram_gb, runtime=12345, autopin=False, learn=False,
+                                mtp_tier=False)
             p = r["ram"]
             assert p["error"] is None
             assert (p["capacity"], p["projected_peak_bytes"], p["expert_avail_bytes"], p["budget_bytes"]) == (

@@ -291,3 +291,40 @@ def test_tier_options_bad_input():
     assert p.returncode != 0 and "--io-threads" in p.stderr
     p = colibri("run", "--model", DATA / "tiny_dsa", "--prompt-ids", "1,2", "--pin", "/nonexistent/stats")
     assert p.returncode != 0 and "/nonexistent/stats" in p.stderr
+
+
+@pytest.fixture(scope="module")
+def mtp_int4(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("mtp_int4")
+    convert(DATA / "tiny_mtp", dst, ConvertOptions(expert_bits=4, dense_bits=4, io_bits=8), verbose=False)
+    return dst
+
+
+def test_mtp_tier_keeps_the_draft_experts_in_ram(mtp_int4, tmp_path):
+    """With drafting on and room to spare, every expert of the MTP layer is pinned (the MTP tier):
+    drafts never read; the plan counts the whole row; tokens are those of --draft 0. Without
+    drafting, or in a budget too tight for it, the row is an LRU row like the others."""
+    m = model_init(mtp_int4, cache_experts=1)
+    NL, E = m.cfg.n_layers, m.cfg.n_experts
+    t = tiers.configure(m, 64, requested=1, ram_gb=100, autopin=False, learn=False)
+    assert t.plan.mtp_tier and t.mtp_tier_bytes > 0 and m.cache.pinned(NL) == list(range(E))
+    assert t.plan.mtp_bytes == E * t.plan.mtp_expert_bytes and "MTP tier" in t.summary()
+    off = model_init(mtp_int4, cache_experts=1)
+    t = tiers.configure(off, 64, requested=1, ram_gb=100, autopin=False, learn=False, mtp_tier=False)
+    assert not t.plan.mtp_tier and t.mtp_tier_bytes == 0 and off.cache.pinned(NL) == []
+    # a budget that holds one expert per row but not the whole MTP row: no tier
+    kw = dict(requested=1, autopin=False, learn=False, runtime=12345)
+    p1 = tiers.configure(model_init(mtp_int4, cache_experts=1), 64, ram_gb=100, mtp_tier=False, **kw).plan
+    tight = (p1.projected_peak_bytes + p1.mtp_expert_bytes) / 1e9
+    assert not tiers.configure(model_init(mtp_int4, cache_experts=1), 64, ram_gb=tight, **kw).plan.mtp_tier
+    stats = {}
+    for draft in ("0", "3"):
+        s = tmp_path / f"s{draft}.json"
+        p = colibri("run", "--model", mtp_int4, "--prompt-ids", "3,14,159,26,53", "-n", 24, "-t", 0,
+                    "--cache-experts", 1, "--draft", draft, "--stats-json", s)
+        assert p.returncode == 0, p.stderr
+        stats[draft] = json.loads(s.read_text())
+    assert stats["0"]["tokens"] == stats["3"]["tokens"]
+    assert stats["3"]["mtp_hit_rate"] == 1.0 and stats["3"]["mtp_tier_bytes"] > 0
+    assert stats["0"]["mtp_tier_bytes"] == 0 and stats["3"]["drafts_proposed"] > 0
+    assert "MTP tier" in p.stderr and "MTP experts hit 100.0%" in p.stderr

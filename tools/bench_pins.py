@@ -64,7 +64,7 @@ def run(model: str, prompt: str, tokens: int, env: dict, *extra) -> dict:
     try:
         cmd = [sys.executable, "-m", "colibri", "run", "--model", model, "--prompt", prompt,
                "--max-tokens", str(tokens), "--temperature", "0", "--stats-json", stats, "--quiet",
-               "--no-autopin", *map(str, extra)]
+               "--no-autopin", "--draft", "0", *map(str, extra)]    # main-layer pins alone (no MTP tier)
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         if p.returncode != 0:
             raise RuntimeError(f"colibri run failed ({p.returncode}): {p.stderr.strip()[-400:]}")
