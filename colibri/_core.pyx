@@ -148,6 +148,7 @@ cdef class QT:
     cdef QTc c
     cdef readonly object data      # numpy array keeping the payload (or f32 weights) alive
     cdef readonly object scale     # numpy f32 [O·G] (G = 1: per row) or None
+    cdef object __weakref__
 
     @staticmethod
     def from_f32(w):
@@ -1412,6 +1413,7 @@ cdef class Expert:
     cdef public object slab
     cdef public long long nbytes
     cdef public object mapped
+    cdef object __weakref__             # the slab pool waits for an evicted expert's end (_SlabPool)
 
 
 cdef struct ScoreIdx:
@@ -4399,38 +4401,38 @@ class _SlabPool:
     calls: the RAM plan's bound), and the RSS exceeds the bytes handed out by at most the huge page
     the buffers of one size are being carved from (BUFFER_SLACK_BYTES). An evicted expert is often
     still in use (a call needing more experts than the LRU holds computes with experts the cache
-    has already let go), so evicted experts wait in a list, and a buffer is taken back only once
-    nothing but that list references the expert and its three matrices (their payloads are views
-    of the buffer)."""
+    has already let go; a long batch multiplies one group of experts while the next group is read
+    into buffers), so the pool keeps only weak references to an evicted expert and its three
+    matrices (their payloads are views of the buffer) and takes the buffer back once all four are
+    gone: liveness itself, not a reference count (whose value for one object depends on how the
+    code that inspects it was compiled: under Cython a threshold tuned for Python let buffers of
+    experts still being multiplied be read over)."""
     CHUNK = 64 << 20
 
     def __init__(self):
         self._free = {}
-        self._waiting = []
+        self._waiting = []              # (weak refs to the expert and its matrices, its buffer)
         self._lock = threading.Lock()
         self.reused = 0
 
     def recycle(self, E):
         """on_evict hook of the expert cache."""
-        if getattr(E, "slab", None) is None:     # float experts (mapped ones never come here)
+        import weakref
+        slab = getattr(E, "slab", None)
+        if slab is None:                # float experts (mapped ones never come here)
             return
+        refs = tuple(weakref.ref(o) for o in (E, E.gate, E.up, E.down))
         with self._lock:
-            self._waiting.append(E)
+            self._waiting.append((refs, slab))
 
     def take(self, nbytes):
-        import sys
         with self._lock:
             keep = []
-            for E in self._waiting:
-                # held by the list and this loop only, and each matrix by E only: free to reuse
-                if (sys.getrefcount(E) <= 3 and sys.getrefcount(E.gate) <= 2 and sys.getrefcount(E.up) <= 2
-                        and sys.getrefcount(E.down) <= 2):
-                    slab = E.slab
-                    E.gate = E.up = E.down = None
-                    E.slab = None
+            for refs, slab in self._waiting:
+                if all(r() is None for r in refs):
                     self._free.setdefault(slab.nbytes, []).append(slab)
                 else:
-                    keep.append(E)
+                    keep.append((refs, slab))
             self._waiting = keep
             lst = self._free.setdefault(nbytes, [])
             if lst:

@@ -328,3 +328,22 @@ def test_mtp_tier_keeps_the_draft_experts_in_ram(mtp_int4, tmp_path):
     assert stats["3"]["mtp_hit_rate"] == 1.0 and stats["3"]["mtp_tier_bytes"] > 0
     assert stats["0"]["mtp_tier_bytes"] == 0 and stats["3"]["drafts_proposed"] > 0
     assert "MTP tier" in p.stderr and "MTP experts hit 100.0%" in p.stderr
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_long_prompt_with_more_experts_than_the_cache_is_exact(direct):
+    """A prompt whose batch union needs far more experts than the LRU holds streams them in
+    groups: one group is multiplied while the next is read into buffers of experts evicted
+    meanwhile. A buffer must come back to the pool only once its expert is gone (not while the
+    group still multiplies with it): the logits equal those of a model holding every expert."""
+    from colibri.models import default_model_dir
+    path = default_model_dir()
+    ids = [int(t) for t in np.random.default_rng(5).integers(10, 4000, 40)]
+    ref = model_init(path)
+    ref.kv_alloc(48)
+    want = ref.step_all(ids, 0)
+    m = model_init(path, cache_experts=2, direct=direct, prefetch=False)
+    m.kv_alloc(48)
+    got = m.step_all(ids, 0)
+    assert m.cfg.n_experts > 8 and m.cache.stats["evictions"] > 8
+    np.testing.assert_array_equal(got, want)
