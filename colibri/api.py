@@ -190,6 +190,7 @@ class LLM:
         self.model.kv_alloc(self.context)
         self.eos = set(self.cfg.eos_ids)
         self.history: List[int] = []       # tokens whose KV rows are valid, from position 0
+        self._draft_prior = None           # the last generation's draft policy (--draft auto)
         self.lock = threading.Lock()
 
     # -- text -------------------------------------------------------------------------------------
@@ -263,12 +264,13 @@ class LLM:
             t_prefill = time.perf_counter() - t0
             history = list(ids)
             finish = "length"
-            policy = DraftPolicy(draft)
+            policy = DraftPolicy(draft, prior=self._draft_prior)     # a session's requests learn on
             try:
                 out, kv = m.spec_decode(history, len(ids), max_tokens, logits,
                                         Sampler(self.cfg.vocab, temperature, top_p, seed), policy,
                                         stops=self.eos, emit=emit)
                 self.history = history[:kv]
+                self._draft_prior = policy
                 if len(out) < max_tokens:
                     finish = "stop"
             except _Stop:

@@ -1,16 +1,21 @@
 """Draft-depth policy for speculative decoding: drafts must earn their keep in wall time.
 
 In a streaming MoE engine a verify forward of 1+d rows routes to more experts than a single-row
-step, so speculation can lose time even at 50% acceptance. The policy therefore measures, per
-generation, what an iteration costs at each depth and what the drafts yield, and picks the depth d
-(0 included) that minimises the expected seconds per emitted token:
+step, and on a small model every extra row costs compute, so speculation can lose time even at
+high acceptance. The policy therefore measures what matters - seconds per emitted token at each
+depth d (0 included): the measured seconds of an iteration at d (a decayed mean: recent iterations
+weigh most) over the tokens an iteration at d emits, 1 + P(draft 1 accepted) + P(drafts 1 and 2
+accepted) + ..., those rates pooled over every drafting iteration (the i-th draft's fate does not
+depend on how many drafts follow it) - and runs the depth with the least. It climbs: now and then
+it probes one depth up (after a loss, one down) for a short block of iterations; a probe that wins
+becomes the depth and the next step that way comes soon, a probe that loses quadruples the gap to
+the next one, so a useless head costs a few iterations per generation and a useful one is found
+within the first few dozen tokens. Iteration costs are measured, never extrapolated, so the host's
+noise and the cache's effects are in the figures compared; the pooled acceptance keeps a short
+probe's verdict from being a matter of luck.
 
-    cost(d) / E[tokens | d],   E[tokens | d] = 1 + a + a² + … + a^d
-
-with ``a`` the measured per-draft acceptance (drafts are accepted as a prefix) and ``cost(d)`` the
-measured (or, for untried depths, linearly extrapolated) wall time of one draft+verify iteration.
-While it sits at depth 0 it re-probes depth 1 now and then, with a growing gap, so a head that
-becomes useful is noticed and a useless one costs a few iterations per generation.
+A policy can start from a previous generation's (``prior``): an LLM, the chat and the server pass
+the last one on, so a session's later requests begin at the depth that won before.
 
 The reference engine's guard is kept: after >= 24 proposals with < 10% accepted, drafting is off
 for the rest of the generation.
@@ -20,6 +25,7 @@ from __future__ import annotations
 GUARD_MIN_PROPOSALS = 24
 GUARD_MIN_ACCEPT = 0.10
 MAX_AUTO_DEPTH = 4
+ACCEPT_DECAY = 0.99         # per verified draft: the acceptance follows the text over ~100 drafts
 
 
 def parse_draft(text) -> "int | str":
@@ -41,24 +47,41 @@ def parse_draft(text) -> "int | str":
 class DraftPolicy:
     """Chooses the draft depth of each speculative-decoding iteration and keeps the counters."""
 
-    def __init__(self, mode="auto", max_depth: int = MAX_AUTO_DEPTH, ema: float = 0.3,
-                 first_probe_gap: int = 64, max_probe_gap: int = 1024):
+    def __init__(self, mode="auto", max_depth: int = MAX_AUTO_DEPTH, prior: "DraftPolicy" = None,
+                 probe_block: int = 4, first_probe_gap: int = 4, max_probe_gap: int = 512,
+                 decay: float = 0.9, margin: float = 0.02, ema: float = 0.3):
         self.mode = parse_draft(mode)
         self.max_depth = self.mode if isinstance(self.mode, int) else max_depth
-        self.ema = ema
-        self.cost = {}                  # depth -> EMA of seconds per iteration
+        self.probe_block, self.max_probe_gap = probe_block, max_probe_gap
+        self.decay, self.margin, self.ema = decay, margin, ema
+        self.time = {}                  # depth -> decayed seconds of its iterations
+        self.count = {}                 # depth -> decayed number of them
+        self._ver = [0.0] * (self.max_depth + 1)        # decayed: iterations that verified draft i
+        self._acc = [0.0] * (self.max_depth + 1)        # ... and accepted drafts 1..i+1
+        self.cost = {}                  # depth -> EMA of seconds per iteration (reported)
         self.proposed = 0               # drafts proposed (before clipping, as the reference counts)
         self.accepted = 0
         self.iterations = 0
         self.off = self.max_depth == 0  # the guard (or --draft 0) turned drafting off
-        self.probe_gap = first_probe_gap
-        self.max_probe_gap = max_probe_gap
-        self._since_probe = 0
-        self._last = 0
+        self.probe_gap = self.first_probe_gap = first_probe_gap
+        self._from = 0                  # the depth a probe started from
+        self._cur = 0                   # depth of the current block
+        self._left = 0                  # iterations left in it
+        self._probe = None              # the depth being probed (None: running the best)
+        self._since = 0                 # iterations since the last probe
+        self._up = True                 # direction of the next probe
         self.min_p = 0.0                # the draft chain ends below this top-1 probability (mtp_draft)
         self.verified_at = [0] * (self.max_depth + 1)   # drafts verified / accepted, by position
         self.accepted_at = [0] * (self.max_depth + 1)
         self.time_s = {"draft": 0.0, "verify": 0.0, "absorb": 0.0, "iterations": 0.0}
+        if prior is not None and self.mode == "auto" and prior.mode == "auto":
+            # a previous generation's measurements, at half weight: the next ones soon outweigh them
+            self.time = {d: t / 2 for d, t in prior.time.items() if d <= self.max_depth}
+            self.count = {d: n / 2 for d, n in prior.count.items() if d <= self.max_depth}
+            for i in range(min(len(prior._ver), len(self._ver))):
+                self._ver[i], self._acc[i] = prior._ver[i] / 2, prior._acc[i] / 2
+            self._cur = self.best()
+            self.probe_gap = min(max(prior.probe_gap, first_probe_gap), 64)
 
     # -- decisions ------------------------------------------------------------------------------
 
@@ -66,20 +89,39 @@ class DraftPolicy:
         """Per-draft acceptance with a weak prior (one accepted in two) so few samples don't pin it."""
         return (self.accepted + 1.0) / (self.proposed + 2.0)
 
-    def expected_tokens(self, d: int, a: float = None) -> float:
-        a = self.acceptance() if a is None else a
-        return sum(a ** i for i in range(d + 1))
+    def expected_tokens(self, d: int) -> float:
+        """Tokens an iteration at depth d emits: 1 + sum over i < d of P(drafts 1..i+1 accepted),
+        measured per position (with a weak prior of one in two at the first); positions never
+        verified continue the last measured ratio."""
+        p, out, ratio = 1.0, 1.0, 0.5
+        for i in range(d):
+            if i < len(self._ver) and self._ver[i] >= 1.0:
+                q = (self._acc[i] + (0.5 if i == 0 else 0.0)) / (self._ver[i] + (1.0 if i == 0 else 0.0))
+                ratio = q / p if p > 0 else 0.0
+                p = q
+            else:
+                p *= min(ratio, 1.0)
+            out += p
+        return out
 
-    def estimated_cost(self, d: int):
-        """Seconds per iteration at depth d: measured, or extrapolated from the measured depths."""
-        if d in self.cost:
-            return self.cost[d]
-        known = sorted(self.cost)
-        if len(known) >= 2:
-            (d0, c0), (d1, c1) = (known[0], self.cost[known[0]]), (known[-1], self.cost[known[-1]])
-            slope = max((c1 - c0) / (d1 - d0), 0.0)
-            return c1 + slope * (d - d1) if d > d1 else c0 + slope * (d - d0)
-        return None
+    def seconds_per_token(self, d: int):
+        """Seconds per emitted token at depth d: its measured iteration time over its expected
+        tokens (None: not measured)."""
+        n = self.count.get(d)
+        return self.time[d] / n / self.expected_tokens(d) if n else None
+
+    def best(self) -> int:
+        """The measured depth with the least seconds per token (the current one unless another
+        beats it by more than the margin); 0 before any measurement."""
+        spt = {d: self.seconds_per_token(d) for d in self.count}
+        spt = {d: v for d, v in spt.items() if v is not None}
+        if not spt:
+            return 0
+        best = min(spt, key=spt.get)
+        cur = self._cur if self._probe is None else None
+        if cur in spt and best != cur and spt[best] > spt[cur] * (1 - self.margin):
+            return cur
+        return best
 
     def depth(self) -> int:
         """Depth for the next iteration."""
@@ -87,26 +129,26 @@ class DraftPolicy:
             return 0
         if isinstance(self.mode, int):
             return self.mode
-        if 0 not in self.cost:
-            return self._choose(0)
-        if 1 not in self.cost:
-            return self._choose(1)
-        best = min(range(self.max_depth + 1), key=self._score)
-        if best == 0:
-            self._since_probe += 1
-            if self._since_probe >= self.probe_gap:        # re-probe depth 1 now and then
-                self._since_probe = 0
-                self.probe_gap = min(self.probe_gap * 2, self.max_probe_gap)
-                return self._choose(1)
-        return self._choose(best)
-
-    def _score(self, d: int) -> float:
-        c = self.estimated_cost(d)
-        return float("inf") if c is None else c / self.expected_tokens(d)
-
-    def _choose(self, d: int) -> int:
-        self._last = d
-        return d
+        if self._left > 0:
+            self._left -= 1
+            return self._cur
+        if self._probe is not None:                 # a probe block ended: did it win?
+            probe, self._probe = self._probe, None
+            won = self.best() == probe
+            up = probe > self._from
+            # a win: soon one more step the same way; a loss: wait longer, then try the other way
+            self._up = up if won else not up
+            self.probe_gap = self.first_probe_gap if won else min(4 * self.probe_gap, self.max_probe_gap)
+        self._cur = self.best()
+        self._since += 1
+        if self._since >= self.probe_gap:
+            cand = self._cur + 1 if (self._up or self._cur == 0) and self._cur < self.max_depth else self._cur - 1
+            if 0 <= cand <= self.max_depth and cand != self._cur:
+                self._since = 0
+                # a depth measured before needs fewer iterations to bring its figures up to date
+                n = self.probe_block if cand not in self.count else max(self.probe_block // 2, 1)
+                self._from, self._probe, self._cur, self._left = self._cur, cand, cand, n - 1
+        return self._cur
 
     # -- measurements ---------------------------------------------------------------------------
 
@@ -118,19 +160,21 @@ class DraftPolicy:
         self.iterations += 1
         self.proposed += proposed
         self.accepted += accepted
-        verified = proposed if verified is None else verified
-        for i in range(min(verified, len(self.verified_at))):
-            self.verified_at[i] += 1
-            self.accepted_at[i] += i < accepted
-        if parts is not None:
-            for key, v in zip(("draft", "verify", "absorb", "iterations"), parts):
-                self.time_s[key] += v
+        self.time[depth] = self.time.get(depth, 0.0) * self.decay + seconds
+        self.count[depth] = self.count.get(depth, 0.0) * self.decay + 1
         if depth in self.cost:
             self.cost[depth] += self.ema * (seconds - self.cost[depth])
         else:
             self.cost[depth] = seconds
-        if depth > 0 and accepted > 0 and self._score(depth) < self._score(0):
-            self.probe_gap = 8                              # drafting pays: come back to it soon
+        verified = proposed if verified is None else verified
+        for i in range(min(verified, len(self.verified_at))):
+            self.verified_at[i] += 1
+            self.accepted_at[i] += i < accepted
+            self._ver[i] = self._ver[i] * ACCEPT_DECAY + 1
+            self._acc[i] = self._acc[i] * ACCEPT_DECAY + (i < accepted)
+        if parts is not None:
+            for key, v in zip(("draft", "verify", "absorb", "iterations"), parts):
+                self.time_s[key] += v
         if self.proposed >= GUARD_MIN_PROPOSALS and self.accepted < GUARD_MIN_ACCEPT * self.proposed:
             self.off = True
 

@@ -287,3 +287,31 @@ def test_parse_draft():
     for bad in ("-1", "17", "x", "2.5"):
         with pytest.raises(ValueError, match="--draft"):
             parse_draft(bad)
+
+
+def test_auto_carries_its_measurements_to_the_next_generation():
+    """A policy built from a previous generation's starts at the depth that won there."""
+    first = DraftPolicy("auto")
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        d = first.depth()
+        k = 0
+        while k < d and rng.random() < 0.85:
+            k += 1
+        first.record(d, d, k, 0.010 + 0.001 * d)
+    best = first.best()
+    assert best >= 3
+    nxt = DraftPolicy("auto", prior=first)
+    assert nxt.depth() == best and nxt.proposed == 0 and nxt.iterations == 0
+    assert DraftPolicy(2, prior=first).depth() == 2                 # a fixed depth ignores it
+
+
+def test_auto_policy_survives_the_embedded_model_session():
+    """Through the public API: two requests in one LLM; the second starts from the first's policy,
+    and both equal --draft 0 (greedy)."""
+    import colibri
+    llm = colibri.load(options=colibri.Options(max_tokens=24, temperature=0.0))
+    plain = colibri.load(options=colibri.Options(max_tokens=24, temperature=0.0, draft=0))
+    for prompt in ("def fibonacci(n):\n", "import os\n"):
+        assert llm.complete(prompt).token_ids == plain.complete(prompt).token_ids
+    assert llm._draft_prior is not None and llm._draft_prior.iterations > 0

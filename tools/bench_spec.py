@@ -58,8 +58,9 @@ TARGETS = {   # issue 13's lines: (model, fraction, io, mode) -> minimum auto ÷
 def run_worker(spec: dict) -> dict:
     """One measured process: load, warm up, decode every prompt; the summed counters."""
     import colibri
+    # no pins from a routing history: the configuration is exactly the cached fraction it names
     o = colibri.Options(cache_experts=spec["cache_experts"], direct=spec["io"] == "direct",
-                        draft=spec["draft"], max_tokens=spec["tokens"])
+                        draft=spec["draft"], max_tokens=spec["tokens"], autopin=False)
     t = time.perf_counter()
     llm = colibri.load(spec["path"], o)
     load_s = time.perf_counter() - t
