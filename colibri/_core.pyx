@@ -1556,6 +1556,13 @@ cdef class Model:
     # Counters
     cdef public long long bytes_read, forwards, decode_forwards, emitted
     cdef public object trace                      # None, or a list that collects (forward, layer, rows, experts)
+    # A verify forward's trailing draft rows may be dropped at an MoE layer whose experts they alone
+    # would read from disk (_rows_to_keep): None, or (seconds per expert read, [P(row r's draft and
+    # the ones before it accepted), r = 0 .. S-1], seconds an accepted draft saves per MoE layer
+    # besides reads); spec_decode sets it around the verify forward (_drop_plan).
+    cdef public object drop_plan
+    cdef public long long rows_dropped            # draft rows verify forwards dropped (counter)
+    cdef double _row_s                            # a decode row's seconds besides disk waits (EMA)
     cdef public double t_disk, t_attn, t_moe
     cdef public long overlapped_calls   # MoE calls that multiplied present experts during reads
     # Scratch
@@ -2631,7 +2638,7 @@ cdef class Model:
         if nu < 0:      # one attention path for every chunk
             self._attend_calls(L, x, S, pos_base, ws, self.absorbed_path(S, pos_base + S))
         self.t_attn += time.perf_counter() - t0
-        self._mlp_calls(L, x, S, ws, nu)
+        return self._mlp_calls(L, x, S, ws, nu)
 
     def _attend_calls(self, Layer L, float[:, ::1] x, int S, int pos_base, Work ws, bint absorbed):
         """layer_forward's attention half call by call: x += attention(norm(x)) ws.C rows at a time,
@@ -2757,10 +2764,12 @@ cdef class Model:
             if T.bad >= 0:
                 raise EngineError(f"layer {l2}: NaN in the router scores of row {T.bad} "
                                   "(non-finite activations or weights)")
-            self._mlp_calls(L, x, S, ws, self._steps[l2].nu)
+            S = self._mlp_calls(L, x, S, ws, self._steps[l2].nu)
+            T.S = S                         # rows dropped there stay dropped (drop_plan)
             l = l2 + 1
         self.t_attn += T.t_attn
         self.t_moe += T.t_moe
+        return S
 
     def _note_in_place(self, int l0, int l1, int S):
         """The cache's bookkeeping (and the trace) for layers l0..l1-1 that layers_step finished
@@ -2780,10 +2789,17 @@ cdef class Model:
             self.cache.note_hits_calls(calls)     # one call for the whole token: Python runs cold here
 
     def _mlp_calls(self, Layer L, float[:, ::1] x, int S, Work ws, int nu):
-        """layer_forward's second half after its attention half (ws.n, the routing): the router
-        lookahead for the next layer, the MLP through the cache, the residual."""
+        """layer_forward's second half after its attention half (ws.n, the routing): trailing
+        draft rows dropped under a drop_plan (_rows_to_keep), the router lookahead for the next
+        layer, the MLP through the cache, the residual. Returns the rows kept (S, or fewer)."""
         cdef float[:, ::1] n = ws.n, f = ws.out
         cdef int s, i, D = self.cfg.hidden
+        if L.sparse and self.drop_plan is not None and S > 1:
+            s = self._rows_to_keep(L, S, ws, nu)
+            if s < S:
+                self.rows_dropped += S - s
+                S = s
+                nu = self._union(S, ws)
         if self.pilot and self.lookahead_on and S <= PILOT_MAX_ROWS and L.index + 1 < self.cfg.n_layers \
                 and self.layers[L.index + 1].sparse:
             self.pilot_prefetch(self.layers[L.index + 1], x, S, ws)
@@ -2795,6 +2811,47 @@ cdef class Model:
             for s in range(S):
                 for i in range(D):
                     x[s, i] += f[s, i]
+        return S
+
+    def _rows_to_keep(self, Layer L, int S, Work ws, int nu):
+        """Rows of this verify batch worth computing on at layer L (drop_plan): row 0 (the
+        sampled token) always; a draft row r's reads here (experts not resident and not needed
+        by an earlier row) are prepaid work when its draft is accepted (the next forward would
+        read them) and waste when it is not, while an accepted draft saves the rest of a forward:
+        row r is worth P_r × (a forward's time besides reads, per MoE layer) − (1 − P_r) × its
+        reads. The prefix with the most value is kept; a dropped row is simply not accepted, and
+        the kept rows compute exactly what they would have (a row's result never depends on the
+        other rows of its batch)."""
+        cdef int E = self.cfg.n_experts, K = self.cfg.topk, r, k, e, best = 1, new
+        cdef int[:, ::1] rsel = ws.rsel
+        t_read, accept, saved = self.drop_plan
+        seen = set()
+        cdef double net = 0.0, top = 0.0, a
+        for r in range(S):
+            new = 0
+            for k in range(K):
+                e = rsel[r, k]
+                if e not in seen and self.etab[<Py_ssize_t>L.index * E + e].gate == NULL:
+                    seen.add(e)
+                    new += 1
+            if r == 0:
+                continue
+            a = accept[r]
+            net += a * saved - (1.0 - a) * new * t_read
+            if net > top:
+                top, best = net, r + 1
+        return best
+
+    def _union(self, int S, Work ws):
+        """The batch union of the first S rows of the routing in ws (after rows were dropped)."""
+        cdef int[:, ::1] rsel = ws.rsel
+        cdef float[:, ::1] rw = ws.rw
+        cdef int[::1] upos = ws.upos, uniq = ws.uniq, ustart = ws.ustart, urow = ws.urow
+        cdef float[::1] uw = ws.uw
+        cdef int nu, K = self.cfg.topk, E = self.cfg.n_experts
+        with nogil:
+            nu = batch_union(&rsel[0, 0], &rw[0, 0], S, K, E, &upos[0], &uniq[0], &ustart[0], &urow[0], &uw[0])
+        return nu
 
     def pilot_prefetch(self, Layer Nx, float[:, ::1] x, int S, Work ws):
         """Router lookahead (spec §7.7): layer Nx's router applied to the current post-attention
@@ -2823,13 +2880,15 @@ cdef class Model:
         self.cache.prefetch(Nx.index, pred, protect=pred)
 
     def layers_forward(self, float[:, ::1] x, int S, int pos_base):
+        """Every layer on x [S, D]; returns the rows computed to the end (S, unless a drop_plan
+        dropped trailing rows)."""
         if self._layers_ok(S, pos_base, self._work(S, pos_base + S)):
             if self.mapped:
                 self._check_mapped(-1)      # the C path uses mapped experts in place, past the cache's guard
-            self._layers_c(x, S, pos_base)
-            return
+            return self._layers_c(x, S, pos_base)
         for L in self.layers:
-            self.layer_forward(L, x, S, pos_base)
+            S = self.layer_forward(L, x, S, pos_base)
+        return S
 
     def _forward(self, ids, int pos_base):
         """Embed ids at positions pos_base.. and run every layer; returns the residual x [S, D]."""
@@ -2846,7 +2905,12 @@ cdef class Model:
         x = np.empty((S, self.cfg.hidden), np.float32)
         for s, t in enumerate(ids):
             self.embed_row(t, x[s])
-        self.layers_forward(x, S, pos_base)
+        t0, d0, S0 = time.perf_counter(), self.t_disk, S
+        S = self.layers_forward(x, S, pos_base)
+        if S0 <= FUSED_MAX_ROWS:            # decode / verify: a row's time besides disk waits (EMA)
+            t0 = (time.perf_counter() - t0 - (self.t_disk - d0)) / S0
+            self._row_s = t0 if self._row_s <= 0 else self._row_s + 0.2 * (t0 - self._row_s)
+        x = x[:S]
         self.forwards += 1
         self.h_all = x
         self.hlast = x[S - 1].copy()
@@ -3241,7 +3305,14 @@ cdef class Model:
             if kv + 1 + g > self.max_t:
                 raise ValueError(f"position {kv + g} is beyond the KV cache of {self.max_t} positions")
             t_verify = time.perf_counter()
-            lo = self.step_all([nxt] + drafts, kv)
+            self.drop_plan = self._drop_plan(policy, g)
+            try:
+                lo = self.step_all([nxt] + drafts, kv)
+            finally:
+                self.drop_plan = None
+            if len(lo) < 1 + g:             # trailing drafts dropped at a layer that would read for them
+                g = len(lo) - 1
+                drafts = drafts[:g]
             t_verify = time.perf_counter() - t_verify
             h_all = self.h_all
             k = 0
@@ -3281,6 +3352,22 @@ cdef class Model:
         self.emitted += len(out)
         return out, kv
 
+    def _drop_plan(self, policy, int g):
+        """The drop_plan of a verify forward with g drafts (None: keep every row): while experts
+        stream from disk and the policy knows its drafts' acceptance (verify_values): the seconds
+        the forwards have waited per expert read, each row's chance, and what an accepted draft
+        saves per MoE layer besides reads (a decode forward's time without its disk waits, per row:
+        _row_s)."""
+        c = self.cfg
+        if g < 1 or self.cache.capacity >= c.n_experts or not hasattr(policy, "verify_values"):
+            return None
+        accept = policy.verify_values(g)
+        st = self.cache.stats
+        if accept is None or st["misses"] < 1 or self._row_s <= 0:
+            return None
+        n_moe = max(sum(1 for l in range(c.n_layers) if c.sparse[l]), 1)
+        return (self.t_disk / st["misses"], [1.0] + list(accept), self._row_s / n_moe)
+
     def dsa_note(self):
         """One line on how attention departs from the model's DSA selection, or None."""
         if not self.indexer_absent:
@@ -3294,6 +3381,7 @@ cdef class Model:
         self.bytes_read = self.forwards = 0
         self.decode_forwards = self.emitted = 0
         self.t_disk = self.t_attn = self.t_moe = 0.0
+        self.rows_dropped = 0
         self.overlapped_calls = self.stepped_calls = 0
         self.cache.reset_stats()
         self._io.reset()

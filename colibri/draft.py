@@ -90,10 +90,13 @@ class DraftPolicy:
         return (self.accepted + 1.0) / (self.proposed + 2.0)
 
     def expected_tokens(self, d: int) -> float:
-        """Tokens an iteration at depth d emits: 1 + sum over i < d of P(drafts 1..i+1 accepted),
-        measured per position (with a weak prior of one in two at the first); positions never
-        verified continue the last measured ratio."""
-        p, out, ratio = 1.0, 1.0, 0.5
+        """Tokens an iteration at depth d emits: 1 + sum over r <= d of P(drafts 1..r accepted)."""
+        return 1.0 + sum(self.prefix_acceptance(d))
+
+    def prefix_acceptance(self, d: int) -> list:
+        """[P(drafts 1..r accepted) for r = 1..d], measured per position (with a weak prior of one
+        in two at the first); positions never verified continue the last measured ratio."""
+        out, p, ratio = [], 1.0, 0.5
         for i in range(d):
             if i < len(self._ver) and self._ver[i] >= 1.0:
                 q = (self._acc[i] + (0.5 if i == 0 else 0.0)) / (self._ver[i] + (1.0 if i == 0 else 0.0))
@@ -101,8 +104,15 @@ class DraftPolicy:
                 p = q
             else:
                 p *= min(ratio, 1.0)
-            out += p
+            out.append(p)
         return out
+
+    def verify_values(self, g: int):
+        """P(drafts 1..r accepted) for the r = 1..g drafts of a verify batch, what the engine weighs
+        their expert reads against (Model._rows_to_keep); None before any draft was verified."""
+        if self._ver[0] < 1.0:
+            return None
+        return self.prefix_acceptance(g)
 
     def seconds_per_token(self, d: int):
         """Seconds per emitted token at depth d: its measured iteration time over its expected

@@ -183,3 +183,37 @@ def test_draft_chain_stops_below_min_p(mtp_int4, mref):
     ids = list(prompt)
     out, _ = m.spec_decode(ids, len(prompt), 40, m.step(ids, 0), _core.Sampler(256, 0.0), pol)
     assert out == plain
+
+
+class _Dropping(DraftPolicy):
+    """Depth 3, with draft values that make the verify forward drop drafts: from the first one
+    (keep=0), or after the first (keep=1), at any MoE layer where they would read an expert."""
+
+    def __init__(self, keep):
+        super().__init__(3)
+        self.keep = keep
+
+    def verify_values(self, g):
+        return [1.0 if i < self.keep else 0.0 for i in range(g)]            # sure, or rejected
+
+
+@pytest.mark.parametrize("keep", [0, 1])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_verify_rows_dropped_for_reads_change_nothing(mtp_int4, keep, temperature):
+    """A draft row dropped at an MoE layer (its experts would be read from disk) is not accepted;
+    the kept rows compute what they would have: greedy and sampled output equal --draft 0."""
+    m = model_init(mtp_int4, cache_experts=1, prefetch=False)     # misses independent of timing
+    dropped = 0
+    for seed, prompt in enumerate(([3, 14, 159, 26, 53], [7, 7, 1, 200, 31, 9, 12])):
+        plain, _ = decode(m, prompt, 40, 0, temperature=temperature, seed=seed)
+        m.kv_alloc(len(prompt) + 60)
+        m.reset_stats()
+        ids = list(prompt)
+        pol = _Dropping(keep)
+        out, _ = m.spec_decode(ids, len(prompt), 40, m.step(ids, 0),
+                               _core.Sampler(m.cfg.vocab, temperature, 1.0, seed), pol)
+        assert out == plain
+        dropped += m.rows_dropped
+        if keep == 0:
+            assert pol.accepted == 0 and sum(pol.verified_at) < pol.proposed
+    assert dropped > 0
