@@ -2745,11 +2745,7 @@ cdef class Model:
         # experts in place only while nothing else can evict them (no prefetch running or queued)
         T.moe_c = not prefetching and (not self.pilot or self.cache.prefetch_idle())
         T.handoff = prefetching             # the lookahead runs between a layer's two halves
-        T.jobs, T.xq, T.hq, T.xs, T.g, T.u = fs.jobs, fs.p_xq, fs.p_hq, fs.p_xs, fs.p_g, fs.p_u
-        T.hs, T.yd, T.xr, T.xr_stride, T.W = fs.p_hs, fs.p_yd, fs.p_xr, fs.xr_stride, fs.I
-        T.xm = fs.p_xm if BLOCK_SUMS else NULL
-        T.hm = fs.p_hm if BLOCK_SUMS else NULL
-        T.xg, T.hg, T.xgs, T.hgs, T.urow, T.uw = fs.p_xg, fs.p_hg, fs.xgs, fs.hgs, fs.p_urow, fs.p_uw
+        ffn_fields(&T, fs)
         T.rec_nu, T.rec_ids, T.rec_stride = &rec_nu[0], &rec_ids[0, 0], rec_ids.shape[1]
         T.t_attn = T.t_moe = 0.0
         l = 0
@@ -3135,11 +3131,7 @@ cdef class Model:
         T.D, T.E, T.K, T.x, T.out = c.hidden, E, c.topk, &hxv[0, 0], &ws.out[0, 0]
         T.etab = self.etab + <Py_ssize_t>c.n_layers * E
         T.handoff = False
-        T.jobs, T.xq, T.hq, T.xs, T.g, T.u = fs.jobs, fs.p_xq, fs.p_hq, fs.p_xs, fs.p_g, fs.p_u
-        T.hs, T.yd, T.xr, T.xr_stride, T.W = fs.p_hs, fs.p_yd, fs.p_xr, fs.xr_stride, fs.I
-        T.xm = fs.p_xm if BLOCK_SUMS else NULL
-        T.hm = fs.p_hm if BLOCK_SUMS else NULL
-        T.xg, T.hg, T.xgs, T.hgs, T.urow, T.uw = fs.p_xg, fs.p_hg, fs.xgs, fs.hgs, fs.p_urow, fs.p_uw
+        ffn_fields(T, fs)
         T.rec_nu, T.rec_ids, T.rec_stride = &tnu[0], &tids[0, 0], tids.shape[1]
         C.embed, C.eh, C.head = &self.embed.c, &self.eh_proj.c, &self.lm_head.c
         C.enorm, C.hnorm, C.fnorm, C.mnorm, C.h0 = &en[0], &hn[0], &fn[0], &mn[0], &h0[0]
@@ -3750,6 +3742,15 @@ cdef struct TokenStep:
     Py_ssize_t rec_stride
     int bad                             # out: router NaN row of the layer returned, or -1
     double t_attn, t_moe                # out: seconds in the attention halves / the FFNs
+
+
+cdef inline void ffn_fields(TokenStep *T, FfnScratch fs) noexcept:
+    """T's fused-FFN scratch fields: pointers into fs (which the caller keeps alive)."""
+    T.jobs, T.xq, T.hq, T.xs, T.g, T.u = fs.jobs, fs.p_xq, fs.p_hq, fs.p_xs, fs.p_g, fs.p_u
+    T.hs, T.yd, T.xr, T.xr_stride, T.W = fs.p_hs, fs.p_yd, fs.p_xr, fs.xr_stride, fs.I
+    T.xm = fs.p_xm if BLOCK_SUMS else NULL
+    T.hm = fs.p_hm if BLOCK_SUMS else NULL
+    T.xg, T.hg, T.xgs, T.hgs, T.urow, T.uw = fs.p_xg, fs.p_hg, fs.xgs, fs.hgs, fs.p_urow, fs.p_uw
 
 
 cdef inline double now_s() noexcept nogil:

@@ -17,8 +17,9 @@ probe's verdict from being a matter of luck.
 A policy can start from a previous generation's (``prior``): an LLM, the chat and the server pass
 the last one on, so a session's later requests begin at the depth that won before.
 
-The reference engine's guard is kept: after >= 24 proposals with < 10% accepted, drafting is off
-for the rest of the generation.
+The reference engine's guard is kept: after >= 24 drafts tested with < 10% accepted, drafting is
+off for the rest of the generation (drafts a verify forward dropped for their expert reads were
+not tested and do not count).
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class DraftPolicy:
         self._acc = [0.0] * (self.max_depth + 1)        # ... and accepted drafts 1..i+1
         self.cost = {}                  # depth -> EMA of seconds per iteration (reported)
         self.proposed = 0               # drafts proposed (before clipping, as the reference counts)
+        self.verified = 0               # drafts a verify forward tested
         self.accepted = 0
         self.iterations = 0
         self.off = self.max_depth == 0  # the guard (or --draft 0) turned drafting off
@@ -185,12 +187,14 @@ class DraftPolicy:
         if parts is not None:
             for key, v in zip(("draft", "verify", "absorb", "iterations"), parts):
                 self.time_s[key] += v
-        if self.proposed >= GUARD_MIN_PROPOSALS and self.accepted < GUARD_MIN_ACCEPT * self.proposed:
+        self.verified += verified
+        # the guard counts the drafts tested (not those a verify forward dropped for their reads)
+        if self.verified >= GUARD_MIN_PROPOSALS and self.accepted < GUARD_MIN_ACCEPT * self.verified:
             self.off = True
 
     def stats(self) -> dict:
         t = self.time_s
-        return {"drafts_proposed": self.proposed, "drafts_accepted": self.accepted,
+        return {"drafts_proposed": self.proposed, "drafts_verified": self.verified, "drafts_accepted": self.accepted,
                 "acceptance": (self.accepted / self.proposed) if self.proposed else 0.0,
                 "draft_off": self.off, "draft_iterations": self.iterations,
                 "draft_cost_s": {str(k): v for k, v in sorted(self.cost.items())},

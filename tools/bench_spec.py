@@ -172,11 +172,35 @@ def summarize(c: dict, depth, samples: List[dict], base_ids) -> dict:
             "same_tokens": base_ids is None or all(s["ids"] == base_ids for s in ok)}
 
 
+def summary_table(res: dict) -> str:
+    """One row per configuration: depth 0's tok/s, every depth's ratio to it, the acceptance by
+    position at the deepest depth, and auto's tokens per forward."""
+    rows = []
+    for key, rs in res["configs"].items():
+        by = {r["depth"]: r for r in rs if "tok_s" in r}
+        if 0 not in by:
+            continue
+        fixed = sorted(d for d in by if d != "auto")
+        deepest = by[fixed[-1]]
+        rows.append([key, f"{by[0]['tok_s']:.0f}"]
+                    + [f"{by[d]['tok_s'] / by[0]['tok_s']:.2f}×" if d in by else "–" for d in fixed[1:] + ["auto"]]
+                    + [" ".join(f"{100 * a:.0f}%" for a in deepest["acceptance_by_position"]) or "–",
+                       f"{by['auto']['tok_per_fwd']:.2f}" if "auto" in by else "–"])
+    if not rows:
+        return ""
+    depths = sorted(d for d in {r["depth"] for rs in res["configs"].values() for r in rs} if d != "auto")
+    return markdown_table(["configuration (model, cached, reads, sampling)", "depth 0 tok/s"]
+                          + [f"depth {d}" for d in depths[1:]] + ["auto", "acceptance by position (deepest)",
+                                                                  "auto tok/fwd"], rows)
+
+
 def render(res: dict) -> str:
     lines = ["## Speculation: tok/s by draft depth (medians of fresh processes, interleaved)", ""]
     m = res["machine"]
     lines.append(f"Machine: {m['cpu']}, {m['threads']} threads; {res['runs']} rounds; {res['tokens']} tokens × "
                  f"{len(PROMPTS)} prompts per process; twin: experts padded to {res['twin_width']}.")
+    lines.append("")
+    lines.append(summary_table(res))
     lines.append("")
     for key, rows in res["configs"].items():
         base = next((r for r in rows if r["depth"] == 0 and "tok_s" in r), None)
@@ -252,6 +276,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet-wait", type=float, default=30.0,
                     help="seconds to wait for a quiet machine before each round (default %(default)s)")
     ap.add_argument("--json", help="write the results as JSON here")
+    ap.add_argument("--report", metavar="JSON", help="print the report of a saved run (--json) and exit")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--costs-worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -260,6 +285,10 @@ def main(argv=None) -> int:
         return 0
     if args.costs_worker:
         emit_worker_result(run_costs(args.costs_worker, args.cost_samples))
+        return 0
+    if args.report:
+        with open(args.report) as f:
+            print(render(json.load(f)))
         return 0
     from colibri import _core
     from colibri.config import load_config
