@@ -26,6 +26,8 @@ from __future__ import annotations
 GUARD_MIN_PROPOSALS = 24
 GUARD_MIN_ACCEPT = 0.10
 MAX_AUTO_DEPTH = 4
+OUTLIER = 2.0               # an iteration counts at most this many times the fastest at its depth
+TOKENS_PRIOR = 4.0          # iterations' worth of the acceptance model in expected_tokens
 ACCEPT_DECAY = 0.99         # per verified draft: the acceptance follows the text over ~100 drafts
 
 
@@ -57,6 +59,8 @@ class DraftPolicy:
         self.decay, self.margin, self.ema = decay, margin, ema
         self.time = {}                  # depth -> decayed seconds of its iterations
         self.count = {}                 # depth -> decayed number of them
+        self.tokens = {}                # depth -> decayed tokens they emitted
+        self._low = {}                  # depth -> the fastest iteration seen
         self._ver = [0.0] * (self.max_depth + 1)        # decayed: iterations that verified draft i
         self._acc = [0.0] * (self.max_depth + 1)        # ... and accepted drafts 1..i+1
         self.cost = {}                  # depth -> EMA of seconds per iteration (reported)
@@ -80,6 +84,8 @@ class DraftPolicy:
             # a previous generation's measurements, at half weight: the next ones soon outweigh them
             self.time = {d: t / 2 for d, t in prior.time.items() if d <= self.max_depth}
             self.count = {d: n / 2 for d, n in prior.count.items() if d <= self.max_depth}
+            self.tokens = {d: n / 2 for d, n in prior.tokens.items() if d <= self.max_depth}
+            self._low = dict(prior._low)
             for i in range(min(len(prior._ver), len(self._ver))):
                 self._ver[i], self._acc[i] = prior._ver[i] / 2, prior._acc[i] / 2
             self._cur = self.best()
@@ -92,8 +98,13 @@ class DraftPolicy:
         return (self.accepted + 1.0) / (self.proposed + 2.0)
 
     def expected_tokens(self, d: int) -> float:
-        """Tokens an iteration at depth d emits: 1 + sum over r <= d of P(drafts 1..r accepted)."""
-        return 1.0 + sum(self.prefix_acceptance(d))
+        """Tokens an iteration at depth d emits: 1 + sum over r <= d of P(drafts 1..r accepted)
+        (the pooled rates), blended with what d's own iterations emitted (TOKENS_PRIOR iterations'
+        worth of the model): verify forwards that drop drafts for their reads emit fewer than the
+        acceptance of the drafts they test says."""
+        model = 1.0 + sum(self.prefix_acceptance(d))
+        n = self.count.get(d, 0.0)
+        return (self.tokens.get(d, 0.0) + TOKENS_PRIOR * model) / (n + TOKENS_PRIOR)
 
     def prefix_acceptance(self, d: int) -> list:
         """[P(drafts 1..r accepted) for r = 1..d], measured per position (with a weak prior of one
@@ -172,8 +183,13 @@ class DraftPolicy:
         self.iterations += 1
         self.proposed += proposed
         self.accepted += accepted
-        self.time[depth] = self.time.get(depth, 0.0) * self.decay + seconds
+        # one slow iteration (a page fault storm, the host) must not stand for a depth that is
+        # then never run again: samples count at most OUTLIER x the fastest seen at that depth
+        low = min(self._low.get(depth, seconds), seconds)
+        self._low[depth] = low
+        self.time[depth] = self.time.get(depth, 0.0) * self.decay + min(seconds, OUTLIER * low)
         self.count[depth] = self.count.get(depth, 0.0) * self.decay + 1
+        self.tokens[depth] = self.tokens.get(depth, 0.0) * self.decay + 1 + accepted
         if depth in self.cost:
             self.cost[depth] += self.ema * (seconds - self.cost[depth])
         else:
