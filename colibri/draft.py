@@ -26,6 +26,7 @@ from __future__ import annotations
 GUARD_MIN_PROPOSALS = 24
 GUARD_MIN_ACCEPT = 0.10
 MAX_AUTO_DEPTH = 4
+RECENT = 9                  # iterations of a depth whose median is its cost
 OUTLIER = 2.0               # an iteration counts at most this many times the fastest at its depth
 TOKENS_PRIOR = 4.0          # iterations' worth of the acceptance model in expected_tokens
 ACCEPT_DECAY = 0.99         # per verified draft: the acceptance follows the text over ~100 drafts
@@ -61,6 +62,7 @@ class DraftPolicy:
         self.count = {}                 # depth -> decayed number of them
         self.tokens = {}                # depth -> decayed tokens they emitted
         self._low = {}                  # depth -> the fastest iteration seen
+        self._recent = {}               # depth -> its last RECENT iteration times (the median is its cost)
         self._ver = [0.0] * (self.max_depth + 1)        # decayed: iterations that verified draft i
         self._acc = [0.0] * (self.max_depth + 1)        # ... and accepted drafts 1..i+1
         self.cost = {}                  # depth -> EMA of seconds per iteration (reported)
@@ -86,6 +88,7 @@ class DraftPolicy:
             self.count = {d: n / 2 for d, n in prior.count.items() if d <= self.max_depth}
             self.tokens = {d: n / 2 for d, n in prior.tokens.items() if d <= self.max_depth}
             self._low = dict(prior._low)
+            self._recent = {d: list(v) for d, v in prior._recent.items() if d <= self.max_depth}
             for i in range(min(len(prior._ver), len(self._ver))):
                 self._ver[i], self._acc[i] = prior._ver[i] / 2, prior._acc[i] / 2
             self._cur = self.best()
@@ -131,7 +134,10 @@ class DraftPolicy:
         """Seconds per emitted token at depth d: its measured iteration time over its expected
         tokens (None: not measured)."""
         n = self.count.get(d)
-        return self.time[d] / n / self.expected_tokens(d) if n else None
+        if not n:
+            return None
+        r = sorted(self._recent[d])
+        return r[len(r) // 2] / self.expected_tokens(d)
 
     def best(self) -> int:
         """The measured depth with the least seconds per token (the current one unless another
@@ -188,6 +194,11 @@ class DraftPolicy:
         low = min(self._low.get(depth, seconds), seconds)
         self._low[depth] = low
         self.time[depth] = self.time.get(depth, 0.0) * self.decay + min(seconds, OUTLIER * low)
+        # the cost compared is the median of the depth's recent iterations: the few plain ones right
+        # after a probe (whose verify rows evicted experts they need) do not move it
+        rec = self._recent.setdefault(depth, [])
+        rec.append(seconds)
+        del rec[:-RECENT]
         self.count[depth] = self.count.get(depth, 0.0) * self.decay + 1
         self.tokens[depth] = self.tokens.get(depth, 0.0) * self.decay + 1 + accepted
         if depth in self.cost:
