@@ -1933,7 +1933,7 @@ cdef class Model:
     property expert_misses:
         """Experts a forward had to read from disk itself."""
         def __get__(self):
-            return self.cache.stats["misses"]
+            return self.cache.miss_count()
 
     def io_stats(self):
         """Disk figures: bytes read (mapped experts: the bytes their loads faulted in), seconds with
@@ -3284,7 +3284,7 @@ cdef class Model:
                     t_catch = time.perf_counter() - t_catch
                 for p in [p for p in pending if p < kv]:
                     del pending[p]
-                drafts = self.mtp_draft(nxt, kv, d, getattr(policy, "min_p", 0.0))
+                drafts = self.mtp_draft(nxt, kv, d, policy.min_p)
             elif d > 0:
                 drafts = ngram_draft(ids, d)
             t_draft = time.perf_counter() - t0 - t_catch
@@ -3351,14 +3351,14 @@ cdef class Model:
         saves per MoE layer besides reads (a decode forward's time without its disk waits, per row:
         _row_s)."""
         c = self.cfg
-        if g < 1 or self.cache.capacity >= c.n_experts or not hasattr(policy, "verify_values"):
+        if g < 1 or self.cache.capacity >= c.n_experts:
             return None
         accept = policy.verify_values(g)
-        st = self.cache.stats
-        if accept is None or st["misses"] < 1 or self._row_s <= 0:
+        misses = self.cache.miss_count()
+        if accept is None or misses < 1 or self._row_s <= 0:
             return None
-        n_moe = max(sum(1 for l in range(c.n_layers) if c.sparse[l]), 1)
-        return (self.t_disk / st["misses"], [1.0] + list(accept), self._row_s / n_moe)
+        n_moe = max(sum(c.sparse[:c.n_layers]), 1)
+        return (self.t_disk / misses, [1.0] + list(accept), self._row_s / n_moe)
 
     def dsa_note(self):
         """One line on how attention departs from the model's DSA selection, or None."""

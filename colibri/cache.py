@@ -926,6 +926,11 @@ class ExpertCache:
             hits += s["hits_kept"]
         return hits / s["requests"] if s["requests"] else 0.0
 
+    def miss_count(self) -> int:
+        """Experts read because a call found them nowhere (the ``misses`` counter, without the
+        copy of every counter that ``stats`` makes)."""
+        return self._st["misses"]
+
     def row_hit_rate(self, layer: int):
         """Share of the distinct experts requested from cache row ``layer`` that were not read
         (found in a tier or in flight); None before any request."""

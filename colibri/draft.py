@@ -3,8 +3,8 @@
 In a streaming MoE engine a verify forward of 1+d rows routes to more experts than a single-row
 step, and on a small model every extra row costs compute, so speculation can lose time even at
 high acceptance. The policy therefore measures what matters - seconds per emitted token at each
-depth d (0 included): the measured seconds of an iteration at d (a decayed mean: recent iterations
-weigh most) over the tokens an iteration at d emits, 1 + P(draft 1 accepted) + P(drafts 1 and 2
+depth d (0 included): the measured seconds of an iteration at d (the median of its last few, so
+a slow one - a probe's evictions, the host - does not stand for the depth) over the tokens an iteration at d emits, 1 + P(draft 1 accepted) + P(drafts 1 and 2
 accepted) + ..., those rates pooled over every drafting iteration (the i-th draft's fate does not
 depend on how many drafts follow it) - and runs the depth with the least. It climbs: now and then
 it probes one depth up (after a loss, one down) for a short block of iterations; a probe that wins
@@ -27,7 +27,6 @@ GUARD_MIN_PROPOSALS = 24
 GUARD_MIN_ACCEPT = 0.10
 MAX_AUTO_DEPTH = 4
 RECENT = 9                  # iterations of a depth whose median is its cost
-OUTLIER = 2.0               # an iteration counts at most this many times the fastest at its depth
 TOKENS_PRIOR = 4.0          # iterations' worth of the acceptance model in expected_tokens
 ACCEPT_DECAY = 0.99         # per verified draft: the acceptance follows the text over ~100 drafts
 
@@ -53,19 +52,16 @@ class DraftPolicy:
 
     def __init__(self, mode="auto", max_depth: int = MAX_AUTO_DEPTH, prior: "DraftPolicy" = None,
                  probe_block: int = 4, first_probe_gap: int = 4, max_probe_gap: int = 512,
-                 decay: float = 0.9, margin: float = 0.02, ema: float = 0.3):
+                 decay: float = 0.9, margin: float = 0.02):
         self.mode = parse_draft(mode)
         self.max_depth = self.mode if isinstance(self.mode, int) else max_depth
         self.probe_block, self.max_probe_gap = probe_block, max_probe_gap
-        self.decay, self.margin, self.ema = decay, margin, ema
-        self.time = {}                  # depth -> decayed seconds of its iterations
-        self.count = {}                 # depth -> decayed number of them
-        self.tokens = {}                # depth -> decayed tokens they emitted
-        self._low = {}                  # depth -> the fastest iteration seen
+        self.decay, self.margin = decay, margin
         self._recent = {}               # depth -> its last RECENT iteration times (the median is its cost)
+        self.count = {}                 # depth -> decayed number of its iterations
+        self.tokens = {}                # depth -> decayed tokens they emitted
         self._ver = [0.0] * (self.max_depth + 1)        # decayed: iterations that verified draft i
         self._acc = [0.0] * (self.max_depth + 1)        # ... and accepted drafts 1..i+1
-        self.cost = {}                  # depth -> EMA of seconds per iteration (reported)
         self.proposed = 0               # drafts proposed (before clipping, as the reference counts)
         self.verified = 0               # drafts a verify forward tested
         self.accepted = 0
@@ -84,10 +80,8 @@ class DraftPolicy:
         self.time_s = {"draft": 0.0, "verify": 0.0, "absorb": 0.0, "iterations": 0.0}
         if prior is not None and self.mode == "auto" and prior.mode == "auto":
             # a previous generation's measurements, at half weight: the next ones soon outweigh them
-            self.time = {d: t / 2 for d, t in prior.time.items() if d <= self.max_depth}
             self.count = {d: n / 2 for d, n in prior.count.items() if d <= self.max_depth}
             self.tokens = {d: n / 2 for d, n in prior.tokens.items() if d <= self.max_depth}
-            self._low = dict(prior._low)
             self._recent = {d: list(v) for d, v in prior._recent.items() if d <= self.max_depth}
             for i in range(min(len(prior._ver), len(self._ver))):
                 self._ver[i], self._acc[i] = prior._ver[i] / 2, prior._acc[i] / 2
@@ -133,11 +127,13 @@ class DraftPolicy:
     def seconds_per_token(self, d: int):
         """Seconds per emitted token at depth d: its measured iteration time over its expected
         tokens (None: not measured)."""
-        n = self.count.get(d)
-        if not n:
-            return None
-        r = sorted(self._recent[d])
-        return r[len(r) // 2] / self.expected_tokens(d)
+        c = self.iteration_seconds(d)
+        return None if c is None else c / self.expected_tokens(d)
+
+    def iteration_seconds(self, d: int):
+        """The median of depth d's last RECENT iterations (None: never run)."""
+        r = sorted(self._recent.get(d, ()))
+        return r[len(r) // 2] if r else None
 
     def best(self) -> int:
         """The measured depth with the least seconds per token (the current one unless another
@@ -189,11 +185,6 @@ class DraftPolicy:
         self.iterations += 1
         self.proposed += proposed
         self.accepted += accepted
-        # one slow iteration (a page fault storm, the host) must not stand for a depth that is
-        # then never run again: samples count at most OUTLIER x the fastest seen at that depth
-        low = min(self._low.get(depth, seconds), seconds)
-        self._low[depth] = low
-        self.time[depth] = self.time.get(depth, 0.0) * self.decay + min(seconds, OUTLIER * low)
         # the cost compared is the median of the depth's recent iterations: the few plain ones right
         # after a probe (whose verify rows evicted experts they need) do not move it
         rec = self._recent.setdefault(depth, [])
@@ -201,10 +192,6 @@ class DraftPolicy:
         del rec[:-RECENT]
         self.count[depth] = self.count.get(depth, 0.0) * self.decay + 1
         self.tokens[depth] = self.tokens.get(depth, 0.0) * self.decay + 1 + accepted
-        if depth in self.cost:
-            self.cost[depth] += self.ema * (seconds - self.cost[depth])
-        else:
-            self.cost[depth] = seconds
         verified = proposed if verified is None else verified
         for i in range(min(verified, len(self.verified_at))):
             self.verified_at[i] += 1
@@ -224,7 +211,7 @@ class DraftPolicy:
         return {"drafts_proposed": self.proposed, "drafts_verified": self.verified, "drafts_accepted": self.accepted,
                 "acceptance": (self.accepted / self.proposed) if self.proposed else 0.0,
                 "draft_off": self.off, "draft_iterations": self.iterations,
-                "draft_cost_s": {str(k): v for k, v in sorted(self.cost.items())},
+                "draft_cost_s": {str(d): self.iteration_seconds(d) for d in sorted(self._recent)},
                 # acceptance of the i-th draft among the iterations that verified an i-th draft
                 "acceptance_by_position": [a / v for a, v in zip(self.accepted_at, self.verified_at) if v],
                 "drafts_verified_by_position": [v for v in self.verified_at if v],
