@@ -3,16 +3,19 @@
 In a streaming MoE engine a verify forward of 1+d rows routes to more experts than a single-row
 step, and on a small model every extra row costs compute, so speculation can lose time even at
 high acceptance. The policy therefore measures what matters - seconds per emitted token at each
-depth d (0 included): the measured seconds of an iteration at d (the median of its last few, so
-a slow one - a probe's evictions, the host - does not stand for the depth) over the tokens an iteration at d emits, 1 + P(draft 1 accepted) + P(drafts 1 and 2
-accepted) + ..., those rates pooled over every drafting iteration (the i-th draft's fate does not
-depend on how many drafts follow it) - and runs the depth with the least. It climbs: now and then
-it probes one depth up (after a loss, one down) for a short block of iterations; a probe that wins
-becomes the depth and the next step that way comes soon, a probe that loses quadruples the gap to
-the next one, so a useless head costs a few iterations per generation and a useful one is found
-within the first few dozen tokens. Iteration costs are measured, never extrapolated, so the host's
-noise and the cache's effects are in the figures compared; the pooled acceptance keeps a short
-probe's verdict from being a matter of luck.
+depth d (0 included): the measured seconds of an iteration at d (the median of its last few) over
+the tokens an iteration at d emits, 1 + P(draft 1 accepted) + P(drafts 1 and 2 accepted) + ...,
+those rates pooled over every drafting iteration (the i-th draft's fate does not depend on how many
+drafts follow it). It runs one depth (the incumbent) and climbs: now and then it probes one depth
+up (after a loss, one down) for a short block of iterations, and only a probe's verdict changes the
+depth. The verdict compares costs measured close together - the probe block's iterations against
+the incumbent's own last ones - so a figure measured minutes ago (a cold cache after load, the
+host's slower minute) never decides against a fresh one. The SETTLE iterations after a losing
+probe (whose verify rows evicted experts they need), the first ones of a generation (after the
+prefill's loads) and the first of a probe (the incumbent's cache state) are not taken as costs. A probe that wins becomes the depth and the
+next step that way comes soon; a probe that loses quadruples the gap to the next one, so a useless
+head costs a few iterations per generation and a useful one is found within the first few dozen
+tokens; the pooled acceptance keeps a short probe's verdict from being a matter of luck.
 
 A policy can start from a previous generation's (``prior``): an LLM, the chat and the server pass
 the last one on, so a session's later requests begin at the depth that won before.
@@ -23,11 +26,15 @@ not tested and do not count).
 """
 from __future__ import annotations
 
+import statistics
+
 GUARD_MIN_PROPOSALS = 24
 GUARD_MIN_ACCEPT = 0.10
 MAX_AUTO_DEPTH = 4
 RECENT = 9                  # iterations of a depth whose median is its cost
-TOKENS_PRIOR = 4.0          # iterations' worth of the acceptance model in expected_tokens
+SETTLE = 2                  # iterations after a losing probe / a generation's start not taken as costs
+SETTLE_PROBE = 1            # ... and at a probe's start
+ACCEPT_PRIOR = 2.0          # verifies' worth of the guess a draft position's rate starts from
 ACCEPT_DECAY = 0.99         # per verified draft: the acceptance follows the text over ~100 drafts
 
 
@@ -59,7 +66,7 @@ class DraftPolicy:
         self.decay, self.margin = decay, margin
         self._recent = {}               # depth -> its last RECENT iteration times (the median is its cost)
         self.count = {}                 # depth -> decayed number of its iterations
-        self.tokens = {}                # depth -> decayed tokens they emitted
+        self._drafted = {}              # depth -> decayed [drafts proposed, drafts verified]
         self._ver = [0.0] * (self.max_depth + 1)        # decayed: iterations that verified draft i
         self._acc = [0.0] * (self.max_depth + 1)        # ... and accepted drafts 1..i+1
         self.proposed = 0               # drafts proposed (before clipping, as the reference counts)
@@ -74,6 +81,8 @@ class DraftPolicy:
         self._probe = None              # the depth being probed (None: running the best)
         self._since = 0                 # iterations since the last probe
         self._up = True                 # direction of the next probe
+        self._block = []                # the current probe block's iteration times
+        self._settle = SETTLE           # iterations left whose times are not the incumbent's cost
         self.min_p = 0.0                # the draft chain ends below this top-1 probability (mtp_draft)
         self.verified_at = [0] * (self.max_depth + 1)   # drafts verified / accepted, by position
         self.accepted_at = [0] * (self.max_depth + 1)
@@ -81,11 +90,11 @@ class DraftPolicy:
         if prior is not None and self.mode == "auto" and prior.mode == "auto":
             # a previous generation's measurements, at half weight: the next ones soon outweigh them
             self.count = {d: n / 2 for d, n in prior.count.items() if d <= self.max_depth}
-            self.tokens = {d: n / 2 for d, n in prior.tokens.items() if d <= self.max_depth}
+            self._drafted = {d: [v / 2 for v in pv] for d, pv in prior._drafted.items() if d <= self.max_depth}
             self._recent = {d: list(v) for d, v in prior._recent.items() if d <= self.max_depth}
             for i in range(min(len(prior._ver), len(self._ver))):
                 self._ver[i], self._acc[i] = prior._ver[i] / 2, prior._acc[i] / 2
-            self._cur = self.best()
+            self._cur = prior.incumbent()
             self.probe_gap = min(max(prior.probe_gap, first_probe_gap), 64)
 
     # -- decisions ------------------------------------------------------------------------------
@@ -96,24 +105,23 @@ class DraftPolicy:
 
     def expected_tokens(self, d: int) -> float:
         """Tokens an iteration at depth d emits: 1 + sum over r <= d of P(drafts 1..r accepted)
-        (the pooled rates), blended with what d's own iterations emitted (TOKENS_PRIOR iterations'
-        worth of the model): verify forwards that drop drafts for their reads emit fewer than the
-        acceptance of the drafts they test says."""
-        model = 1.0 + sum(self.prefix_acceptance(d))
-        n = self.count.get(d, 0.0)
-        return (self.tokens.get(d, 0.0) + TOKENS_PRIOR * model) / (n + TOKENS_PRIOR)
+        (the pooled rates), times the share of d's drafts that verify forwards tested (those that
+        drop drafts for their expert reads emit fewer than the drafts' acceptance says)."""
+        proposed, verified = self._drafted.get(d, (0.0, 0.0))
+        return 1.0 + sum(self.prefix_acceptance(d)) * (verified + 1.0) / (proposed + 1.0)
 
     def prefix_acceptance(self, d: int) -> list:
-        """[P(drafts 1..r accepted) for r = 1..d], measured per position (with a weak prior of one
-        in two at the first); positions never verified continue the last measured ratio."""
+        """[P(drafts 1..r accepted) for r = 1..d], measured per position; each position's rate is
+        drawn towards the guess its predecessor makes (one in two at the first, then the last
+        ratio P(1..r) / P(1..r-1) carried on) by ACCEPT_PRIOR verifies' worth, so a deep position
+        seen in a few probe iterations is not judged on their luck alone."""
         out, p, ratio = [], 1.0, 0.5
         for i in range(d):
-            if i < len(self._ver) and self._ver[i] >= 1.0:
-                q = (self._acc[i] + (0.5 if i == 0 else 0.0)) / (self._ver[i] + (1.0 if i == 0 else 0.0))
-                ratio = q / p if p > 0 else 0.0
-                p = q
-            else:
-                p *= min(ratio, 1.0)
+            guess = p * min(ratio, 1.0)
+            n = self._ver[i] if i < len(self._ver) else 0.0
+            q = guess if n <= 0 else min((self._acc[i] + ACCEPT_PRIOR * guess) / (n + ACCEPT_PRIOR), p)
+            ratio = q / p if p > 0 else 0.0
+            p = q
             out.append(p)
         return out
 
@@ -135,18 +143,9 @@ class DraftPolicy:
         r = sorted(self._recent.get(d, ()))
         return r[len(r) // 2] if r else None
 
-    def best(self) -> int:
-        """The measured depth with the least seconds per token (the current one unless another
-        beats it by more than the margin); 0 before any measurement."""
-        spt = {d: self.seconds_per_token(d) for d in self.count}
-        spt = {d: v for d, v in spt.items() if v is not None}
-        if not spt:
-            return 0
-        best = min(spt, key=spt.get)
-        cur = self._cur if self._probe is None else None
-        if cur in spt and best != cur and spt[best] > spt[cur] * (1 - self.margin):
-            return cur
-        return best
+    def incumbent(self) -> int:
+        """The depth the policy runs between probes (a running probe's starting depth)."""
+        return self._from if self._probe is not None else self._cur
 
     def depth(self) -> int:
         """Depth for the next iteration."""
@@ -159,21 +158,37 @@ class DraftPolicy:
             return self._cur
         if self._probe is not None:                 # a probe block ended: did it win?
             probe, self._probe = self._probe, None
-            won = self.best() == probe
+            won = self._probe_wins(probe, self._from)
             up = probe > self._from
             # a win: soon one more step the same way; a loss: wait longer, then try the other way
             self._up = up if won else not up
             self.probe_gap = self.first_probe_gap if won else min(4 * self.probe_gap, self.max_probe_gap)
-        self._cur = self.best()
+            self._cur = probe if won else self._from
+            if won:                                 # its cost from now on: fresh samples only
+                self._recent[probe] = list(self._block)
+            else:
+                self._settle = SETTLE
         self._since += 1
         if self._since >= self.probe_gap:
             cand = self._cur + 1 if (self._up or self._cur == 0) and self._cur < self.max_depth else self._cur - 1
             if 0 <= cand <= self.max_depth and cand != self._cur:
                 self._since = 0
                 # a depth measured before needs fewer iterations to bring its figures up to date
-                n = self.probe_block if cand not in self.count else max(self.probe_block // 2, 1)
+                # (+ SETTLE_PROBE: its first iterations pay for the incumbent's cache state)
+                n = (self.probe_block if cand not in self.count else max(self.probe_block // 2, 1)) + SETTLE_PROBE
                 self._from, self._probe, self._cur, self._left = self._cur, cand, cand, n - 1
+                self._block, self._settle = [], SETTLE_PROBE
         return self._cur
+
+    def _probe_wins(self, probe: int, incumbent: int) -> bool:
+        """Seconds per token of the probe block (the median of its iterations) against the
+        incumbent's (the median of its last iterations before the probe), both measured within
+        the last few dozen iterations; the probe must win by the margin."""
+        if not self._block:
+            return False
+        probe_s = statistics.median(self._block) / self.expected_tokens(probe)
+        inc = self.seconds_per_token(incumbent)
+        return inc is None or probe_s < inc * (1 - self.margin)
 
     # -- measurements ---------------------------------------------------------------------------
 
@@ -187,12 +202,18 @@ class DraftPolicy:
         self.accepted += accepted
         # the cost compared is the median of the depth's recent iterations: the few plain ones right
         # after a probe (whose verify rows evicted experts they need) do not move it
-        rec = self._recent.setdefault(depth, [])
-        rec.append(seconds)
-        del rec[:-RECENT]
+        if self._settle > 0:
+            self._settle -= 1                       # a change of depth's wake: not a cost (module doc)
+        else:
+            if self._probe is not None and depth == self._probe:
+                self._block.append(seconds)
+            rec = self._recent.setdefault(depth, [])
+            rec.append(seconds)
+            del rec[:-RECENT]
         self.count[depth] = self.count.get(depth, 0.0) * self.decay + 1
-        self.tokens[depth] = self.tokens.get(depth, 0.0) * self.decay + 1 + accepted
         verified = proposed if verified is None else verified
+        pv = self._drafted.setdefault(depth, [0.0, 0.0])
+        pv[0], pv[1] = pv[0] * self.decay + proposed, pv[1] * self.decay + min(verified, proposed)
         for i in range(min(verified, len(self.verified_at))):
             self.verified_at[i] += 1
             self.accepted_at[i] += i < accepted
