@@ -268,17 +268,23 @@ def test_auto_prefers_no_drafts_when_they_do_not_pay():
     assert sum(1 for d in depths if d > 0) <= 12      # a few probes (each + 1 transition iteration), not a tax
 
 
-def test_auto_finds_the_best_depth():
-    pol = DraftPolicy("auto")
-    rng = np.random.default_rng(0)
+def simulate(pol, n, accept, seconds, seed):
+    """Run a policy n iterations: each draft accepted with probability `accept` until the first
+    rejection; seconds(i, depth, depths so far) is the iteration's time. The depths it chose."""
+    rng = np.random.default_rng(seed)
     depths = []
-    for _ in range(300):
+    for i in range(n):
         d = pol.depth()
         depths.append(d)
         k = 0
-        while k < d and rng.random() < 0.8:            # 80% acceptance, cheap verify
+        while k < d and rng.random() < accept:
             k += 1
-        pol.record(d, d, k, 0.010 + 0.001 * d)
+        pol.record(d, d, k, seconds(i, d, depths))
+    return depths
+
+
+def test_auto_finds_the_best_depth():
+    depths = simulate(DraftPolicy("auto"), 300, 0.8, lambda i, d, _: 0.010 + 0.001 * d, seed=0)  # cheap verify
     assert np.mean(depths[-100:]) >= 2.5
 
 
@@ -286,18 +292,13 @@ def test_auto_judges_a_probe_against_fresh_costs():
     """Depth 0's first iterations are slow (a cold cache after load): a probe must not win against
     them once depth 0 runs fast; the iterations right after a losing probe (the probe's evictions)
     are not depth 0's cost."""
-    pol = DraftPolicy("auto")
-    rng = np.random.default_rng(2)
-    depths = []
-    for i in range(300):
-        d = pol.depth()
-        depths.append(d)
-        k = 0
-        while k < d and rng.random() < 0.75:
-            k += 1
-        after_probe = i > 0 and depths[-2] > 0 and d == 0
+    def seconds(i, d, depths):
         cost = (0.030 if i < 6 else 0.010) if d == 0 else 0.0095 + 0.0095 * d   # depth 1: 0.0109 s/token
-        pol.record(d, d, k, cost * (3 if after_probe else 1))
+        after_probe = i > 0 and depths[-2] > 0 and d == 0
+        return cost * (3 if after_probe else 1)
+
+    pol = DraftPolicy("auto")
+    depths = simulate(pol, 300, 0.75, seconds, seed=2)
     assert depths[-100:].count(0) >= 90
     assert pol.iteration_seconds(0) == 0.010
 
@@ -312,13 +313,7 @@ def test_parse_draft():
 def test_auto_carries_its_measurements_to_the_next_generation():
     """A policy built from a previous generation's starts at the depth that won there."""
     first = DraftPolicy("auto")
-    rng = np.random.default_rng(1)
-    for _ in range(200):
-        d = first.depth()
-        k = 0
-        while k < d and rng.random() < 0.85:
-            k += 1
-        first.record(d, d, k, 0.010 + 0.001 * d)
+    simulate(first, 200, 0.85, lambda i, d, _: 0.010 + 0.001 * d, seed=1)
     best = first.incumbent()
     assert best >= 3
     nxt = DraftPolicy("auto", prior=first)
