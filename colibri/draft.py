@@ -12,10 +12,11 @@ depth. The verdict compares costs measured close together - the probe block's it
 the incumbent's own last ones - so a figure measured minutes ago (a cold cache after load, the
 host's slower minute) never decides against a fresh one. The SETTLE iterations after a losing
 probe (whose verify rows evicted experts they need), the first ones of a generation (after the
-prefill's loads) and the first of a probe (the incumbent's cache state) are not taken as costs. A probe that wins becomes the depth and the
-next step that way comes soon; a probe that loses quadruples the gap to the next one, so a useless
-head costs a few iterations per generation and a useful one is found within the first few dozen
-tokens; the pooled acceptance keeps a short probe's verdict from being a matter of luck.
+prefill's loads) and the first of a probe (the incumbent's cache state) are not taken as costs.
+A probe that wins becomes the depth and the next step that way comes soon; a probe that loses
+quadruples the gap to the next one, so a useless head costs a few iterations per generation and a
+useful one is found within the first few dozen tokens; the pooled acceptance keeps a short probe's
+verdict from being a matter of luck.
 
 A policy can start from a previous generation's (``prior``): an LLM, the chat and the server pass
 the last one on, so a session's later requests begin at the depth that won before.
@@ -78,7 +79,7 @@ class DraftPolicy:
         self._from = 0                  # the depth a probe started from
         self._cur = 0                   # depth of the current block
         self._left = 0                  # iterations left in it
-        self._probe = None              # the depth being probed (None: running the best)
+        self._probe = None              # the depth being probed (None: running the incumbent)
         self._since = 0                 # iterations since the last probe
         self._up = True                 # direction of the next probe
         self._block = []                # the current probe block's iteration times
@@ -140,8 +141,8 @@ class DraftPolicy:
 
     def iteration_seconds(self, d: int):
         """The median of depth d's last RECENT iterations (None: never run)."""
-        r = sorted(self._recent.get(d, ()))
-        return r[len(r) // 2] if r else None
+        r = self._recent.get(d)
+        return statistics.median(r) if r else None
 
     def incumbent(self) -> int:
         """The depth the policy runs between probes (a running probe's starting depth)."""

@@ -343,7 +343,6 @@ def render(res: dict) -> str:
                  + ", ".join(f"U({k}) {t['union'][k]:.2f} / {t['union_formula'][k]:.2f}" for k in sorted(t["union"], key=int)))
     L.append("")
     for p in res["projections"]:
-        head = [f"RAM {p['ram_gb']:g} GB ({p['cache_experts']} cached/layer), acceptance", "A by position"]
         cols = p["disks"]
         L.append(f"Seconds per token, RAM {p['ram_gb']:g} GB: reads {p['token_read_bytes'] / 1e9:.2f} GB per token "
                  f"(+ {p['draft_read_bytes'] / 1e6:.0f} MB per draft); best depth in bold")
