@@ -644,17 +644,19 @@ cdef inline void tile_cols(const QTc *W, int o0, int ilv, int r0, int nw, int S,
                            const uint8_t *xg, Py_ssize_t gstride) noexcept nogil:
     """Output columns o0 + r0 .. o0 + r0 + nw - 1 of an integer-path matmul for all S activation
     rows, through the tiles: rows o0 + r0 .. of the plain rows from o0, or of the interleaved group
-    at o0 (ilv). Up to four activation rows a call; decode with idot=2: q1 and its residual q2 in
-    one call (one pass over the weights)."""
+    at o0 (ilv). Up to four activation rows a call; with idot=2 and S <= 2 (decode, a depth-1
+    verify) the S rows q1 and their residuals q2 in one call (one pass over the weights): xq holds
+    them as 2·S rows I apart, their scales, sums and split forms likewise."""
     cdef float t1[GROUP_ROWS * 4]
     cdef float t2[GROUP_ROWS * 4]
     cdef int r, s0, p, P, I = W.I, O = W.O, o = o0 + r0
     cdef Py_ssize_t off2 = <Py_ssize_t>S * I, soff2 = <Py_ssize_t>S * nb, goff2 = <Py_ssize_t>S * gstride
     cdef const uint8_t *rows = W.q + <Py_ssize_t>o0 * W.rb
-    if S == 1 and idot == IDOT_Q8X2:
-        row_tile(W, rows, ilv, r0, nw, xq, off2, xs, xsum, soff2, xg, goff2, 2, blk, t1)
-        for r in range(nw):
-            y[o + r] = (t1[r] + t1[nw + r]) * W.s[o + r]
+    if S <= 2 and idot == IDOT_Q8X2:
+        row_tile(W, rows, ilv, r0, nw, xq, I, xs, xsum, nb, xg, gstride, 2 * S, blk, t1)
+        for p in range(S):
+            for r in range(nw):
+                y[<Py_ssize_t>p * O + o + r] = (t1[p * nw + r] + t1[(S + p) * nw + r]) * W.s[o + r]
         return
     for s0 in range(0, S, 4):
         P = S - s0 if S - s0 < 4 else 4

@@ -243,7 +243,100 @@ COLI_TILE_GENERIC(i4, uint8_t, avx512, COLI_AVX512, 1)
         coli_rowdot_##kind##_tile_rowsg_avx2(w, rb, ilv, r0, nw, q, qstride, xs, sstride, P, n, block, out); \
     }
 COLI_TILE_AVX2(i8, int8_t)
-COLI_TILE_AVX2(i4, uint8_t)
+
+/* int4 on AVX2 with the activations' split forms (coli_split.h) and block sums: 32 packed bytes
+ * give 32 even weights (byte & 15) and 32 odd ones ((byte >> 4) & 15), the stored nibbles
+ * u = v + 8, which vpmaddubsw multiplies with the split form's even and odd inputs as they come;
+ * dot_b = sum u*x - 8 * s[b], exact. Per 64 weights and activation row: two vpmaddubsw and two
+ * int16 adds (the unsplit kernel takes four vpmaddubsw, two subtractions and the nibble unpack).
+ * The int16 sums of 256 weights stay within +-30720 (|u*x + u'*x'| <= 2*15*128 per pair and step
+ * of 64), so they widen to int32 once per 256 weights. One plain weight row against P (1..4)
+ * activation rows (split form p at xg + p*gstride, scales and sums at xs / s + p*sstride); blocks
+ * cover the row or are multiples of 128 (the split form's unit). */
+COLI_AVX2 static COLI_ALWAYS_INLINE void coli_tile_i4_split_avx2_k(const uint8_t *w, const uint8_t *xg, long gstride,
+                                                                   const float *xs, const int32_t *s, long sstride,
+                                                                   const int P, int n, int block, float *out)
+{
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    float acc[COLI_ROWS_G] = {0.0f, 0.0f, 0.0f, 0.0f};
+    block = coli_block_len(n, block);
+    for (int i = 0, b = 0; i < n; i += block, b++) {
+        int end = n - i < block ? n : i + block;
+        __m256i a32[COLI_ROWS_G];
+        COLI_UNROLL_G
+        for (int p = 0; p < P; p++)
+            a32[p] = _mm256_setzero_si256();
+        for (int c = i; c < end; c += 256) {
+            __m256i a16[COLI_ROWS_G];
+            COLI_UNROLL_G
+            for (int p = 0; p < P; p++)
+                a16[p] = _mm256_setzero_si256();
+            for (int e = c; e < end && e < c + 256; e += 64) {
+                /* weights e .. e+63: bytes e/2 .. e/2 + 31 (fewer at the row's end), inputs k of
+                 * the split chunk e/128 from 32*((e/64) & 1) on */
+                __m256i wv;
+                if (n - e >= 64) {
+                    wv = _mm256_loadu_si256((const __m256i *)(w + e / 2));
+                } else {
+                    uint8_t t[32] = {0};
+                    memcpy(t, w + e / 2, (size_t)((n - e + 1) / 2));
+                    wv = _mm256_loadu_si256((const __m256i *)t);
+                }
+                __m256i lo = _mm256_and_si256(wv, m4), hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), m4);
+                const uint8_t *g = xg + (long)(e / 128) * COLI_SPLIT_BYTES + 32 * ((e / 64) & 1);
+                COLI_UNROLL_G
+                for (int p = 0; p < P; p++) {
+                    const uint8_t *gp = g + p * gstride;
+                    a16[p] = _mm256_add_epi16(a16[p], _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)gp)),
+                        _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(gp + 64)))));
+                }
+            }
+            COLI_UNROLL_G
+            for (int p = 0; p < P; p++)
+                a32[p] = _mm256_add_epi32(a32[p], _mm256_madd_epi16(a16[p], ones));
+        }
+        int32_t d[COLI_ROWS_G];
+        _mm_storeu_si128((__m128i *)d, coli_hsum4_i32_avx2(a32[0], P > 1 ? a32[1] : a32[0],
+                                                           P > 2 ? a32[2] : a32[0], P > 3 ? a32[3] : a32[0]));
+        COLI_UNROLL_G
+        for (int p = 0; p < P; p++)
+            acc[p] = coli_block_acc(acc[p], xs[p * sstride + b], d[p] - 8 * s[p * sstride + b]);
+    }
+    COLI_UNROLL_G
+    for (int p = 0; p < P; p++)
+        out[p] = acc[p];
+}
+
+COLI_AVX2 static inline void coli_rowdot_i4_tile_avx2(const uint8_t *w, long rb, int ilv, int r0, int nw,
+                                                      const int8_t *q, long qstride, const float *xs,
+                                                      const int32_t *s, long sstride, const uint8_t *xg,
+                                                      long gstride, int P, int n, int block, float *out)
+{
+    int blk = coli_block_len(n, block);
+    if (ilv || xg == NULL || s == NULL || (blk != n && blk % 128 != 0)) {
+        coli_rowdot_i4_tile_rowsg_avx2(w, rb, ilv, r0, nw, q, qstride, xs, sstride, P, n, block, out);
+        return;
+    }
+    for (int p0 = 0; p0 < P; p0 += COLI_ROWS_G) {
+        int g = P - p0 < COLI_ROWS_G ? P - p0 : COLI_ROWS_G;
+        const uint8_t *gp = xg + p0 * gstride;
+        const float *xsp = xs + p0 * sstride;
+        const int32_t *sp = s + p0 * sstride;
+        for (int r = 0; r < nw; r++) {
+            const uint8_t *row = w + (long)(r0 + r) * rb;
+            float o[COLI_ROWS_G];
+            switch (g) {
+            case 1: coli_tile_i4_split_avx2_k(row, gp, gstride, xsp, sp, sstride, 1, n, block, o); break;
+            case 2: coli_tile_i4_split_avx2_k(row, gp, gstride, xsp, sp, sstride, 2, n, block, o); break;
+            case 3: coli_tile_i4_split_avx2_k(row, gp, gstride, xsp, sp, sstride, 3, n, block, o); break;
+            default: coli_tile_i4_split_avx2_k(row, gp, gstride, xsp, sp, sstride, 4, n, block, o); break;
+            }
+            for (int p = 0; p < g; p++)
+                out[(p0 + p) * nw + r] = o[p];
+        }
+    }
+}
 
 /* ===================================== AVX-512 VNNI ===================================== */
 

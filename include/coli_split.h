@@ -9,13 +9,14 @@
  * Per 128-input block b, at xg + COLI_SPLIT_BYTES * b: the block's even inputs (64 bytes: byte k =
  * input 2k), its odd inputs (64 bytes), then -8 * the lane sums of the block (16 int32: lane l =
  * inputs 8l .. 8l+7; read by the group-scaled tile, coli_group.h); zeros past n. Made once per
- * activation row (coli_split_q8), read by every tile of the matmul. The AVX-512 tiles read it; the
- * scalar and AVX2 ones read the activations as they are (coli_split_q8_<isa> returns 0 there and
- * writes nothing).
+ * activation row (coli_split_q8), read by every tile of the matmul. The AVX-512 and AVX2 int4
+ * tiles read it; the scalar ones read the activations as they are (coli_split_q8_scalar returns 0
+ * and writes nothing).
  */
 #ifndef COLI_SPLIT_H
 #define COLI_SPLIT_H
 
+#include <string.h>
 #include "coli_dot_i8.h"
 
 #define COLI_SPLIT_BYTES 192
@@ -38,7 +39,7 @@ static inline void coli_split_q8_ref(const int8_t *q, int n, uint8_t *xg)
     }
 }
 
-/* scalar and AVX2 tiles read the activations as they are: no split (returns 0) */
+/* scalar tiles read the activations as they are: no split (returns 0) */
 static inline int coli_split_q8_scalar(const int8_t *q, int n, uint8_t *xg)
 {
     (void)q; (void)n; (void)xg;
@@ -46,10 +47,49 @@ static inline int coli_split_q8_scalar(const int8_t *q, int n, uint8_t *xg)
 }
 
 #if COLI_X86
+/* The split form on AVX2 (the int4 tile of coli_rows4.h reads its even and odd inputs; the lane
+ * sums are written too, so the layout is the one every ISA shares): per 16-byte lane, vpshufb
+ * gathers the evens into the low and the odds into the high 8 bytes; the 64-bit quarters of the
+ * two 32-byte halves of 128 inputs are then collected in order. Returns 1. */
 COLI_AVX2 static inline int coli_split_q8_avx2(const int8_t *q, int n, uint8_t *xg)
 {
-    (void)q; (void)n; (void)xg;
-    return 0;
+    if (q == NULL)
+        return 1; /* coli_split_active asks */
+    const __m256i sh = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m256i one8 = _mm256_set1_epi8(1), one16 = _mm256_set1_epi16(1);
+    for (int i = 0; i < n; i += 128, xg += COLI_SPLIT_BYTES) {
+        int8_t buf[128];
+        const int8_t *x = q + i;
+        if (n - i < 128) {
+            memset(buf, 0, sizeof buf);
+            memcpy(buf, x, (size_t)(n - i));
+            x = buf;
+        }
+        __m256i e[4], o[4];
+        for (int k = 0; k < 4; k++) {
+            /* 32 inputs: evens in quarters 0 and 2, odds in quarters 1 and 3 */
+            __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(x + 32 * k)), sh);
+            v = _mm256_permute4x64_epi64(v, 0xD8); /* quarters 0 2 1 3: 16 evens, then 16 odds */
+            e[k] = v;
+            o[k] = v;
+        }
+        /* evens of inputs 0..127: the low halves of e[0..3] in order; odds: the high halves */
+        __m256i xe0 = _mm256_permute2x128_si256(e[0], e[1], 0x20), xe1 = _mm256_permute2x128_si256(e[2], e[3], 0x20);
+        __m256i xo0 = _mm256_permute2x128_si256(o[0], o[1], 0x31), xo1 = _mm256_permute2x128_si256(o[2], o[3], 0x31);
+        _mm256_storeu_si256((__m256i *)xg, xe0);
+        _mm256_storeu_si256((__m256i *)(xg + 32), xe1);
+        _mm256_storeu_si256((__m256i *)(xg + 64), xo0);
+        _mm256_storeu_si256((__m256i *)(xg + 96), xo1);
+        /* lane l (inputs 8l .. 8l+7) = evens 4l..4l+3 + odds 4l..4l+3: int32 sums of 4 bytes each */
+        for (int h = 0; h < 2; h++) {
+            __m256i se = _mm256_madd_epi16(_mm256_maddubs_epi16(one8, h ? xe1 : xe0), one16);
+            __m256i so = _mm256_madd_epi16(_mm256_maddubs_epi16(one8, h ? xo1 : xo0), one16);
+            __m256i lanes = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_add_epi32(se, so), 3));
+            _mm256_storeu_si256((__m256i *)(xg + 128 + 32 * h), lanes);
+        }
+    }
+    return 1;
 }
 
 /* int4, lanes of 8 inputs: 128 activations from x (rem < 128: zeros past rem) split into their
