@@ -97,6 +97,10 @@ class DraftPolicy:
                 self._ver[i], self._acc[i] = prior._ver[i] / 2, prior._acc[i] / 2
             self._cur = prior.incumbent()
             self.probe_gap = min(max(prior.probe_gap, first_probe_gap), 64)
+            # the probes' rhythm goes on across generations: restarting the count at each one
+            # would let a gap longer than a generation (up to 64 iterations) stop probing for good
+            # and pin the depth that won first
+            self._since, self._up = prior._since, prior._up
 
     # -- decisions ------------------------------------------------------------------------------
 
@@ -170,7 +174,7 @@ class DraftPolicy:
             else:
                 self._settle = SETTLE
         self._since += 1
-        if self._since >= self.probe_gap:
+        if self._since >= self.probe_gap and self._settle == 0:    # not while the incumbent settles
             cand = self._cur + 1 if (self._up or self._cur == 0) and self._cur < self.max_depth else self._cur - 1
             if 0 <= cand <= self.max_depth and cand != self._cur:
                 self._since = 0

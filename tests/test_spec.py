@@ -321,6 +321,22 @@ def test_auto_carries_its_measurements_to_the_next_generation():
     assert DraftPolicy(2, prior=first).depth() == 2                 # a fixed depth ignores it
 
 
+def test_auto_keeps_probing_across_short_generations():
+    """Generations shorter than the probe gap (which grows to 64 after losing probes) still probe:
+    the count of iterations since the last probe goes on from one generation to the next, so a
+    depth that won by the host's noise is re-judged, and a session settles on the faster depth."""
+    def seconds(i, d, _):
+        return 0.010 if d == 0 else 0.0095 + 0.0095 * d          # depth 1: 0.0109 s/token
+    pol = DraftPolicy("auto")
+    pol._cur = 1                                                  # as if depth 1 had won by luck
+    pol.probe_gap = 64
+    tail = []
+    for g in range(12):                                           # 12 generations of 30 iterations
+        tail = simulate(pol, 30, 0.75, seconds, seed=10 + g)
+        pol = DraftPolicy("auto", prior=pol)
+    assert tail.count(0) >= 25
+
+
 def test_auto_policy_survives_the_embedded_model_session():
     """Through the public API: two requests in one LLM; the second starts from the first's policy,
     and both equal --draft 0 (greedy)."""
