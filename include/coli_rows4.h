@@ -252,7 +252,11 @@ COLI_TILE_AVX2(i8, int8_t)
  * The int16 sums of 256 weights stay within +-30720 (|u*x + u'*x'| <= 2*15*128 per pair and step
  * of 64), so they widen to int32 once per 256 weights. One plain weight row against P (1..4)
  * activation rows (split form p at xg + p*gstride, scales and sums at xs / s + p*sstride); blocks
- * cover the row or are multiples of 128 (the split form's unit). */
+ * cover the row or are multiples of 128 (the split form's unit). The tile takes it for P >= 3
+ * activation rows (a verify batch; a 2-row batch's rows and residuals come as P = 4): for P <= 2
+ * (decode: one row and its residual) the unsplit rowsg kernel measured faster where the weights
+ * stream from RAM (GLM-5 slice, full-width MoE layer, 2 AVX2 threads: 1.28x the time with the
+ * split kernel at P = 2, paired in one process). */
 COLI_AVX2 static COLI_ALWAYS_INLINE void coli_tile_i4_split_avx2_k(const uint8_t *w, const uint8_t *xg, long gstride,
                                                                    const float *xs, const int32_t *s, long sstride,
                                                                    const int P, int n, int block, float *out)
@@ -314,7 +318,7 @@ COLI_AVX2 static inline void coli_rowdot_i4_tile_avx2(const uint8_t *w, long rb,
                                                       long gstride, int P, int n, int block, float *out)
 {
     int blk = coli_block_len(n, block);
-    if (ilv || xg == NULL || s == NULL || (blk != n && blk % 128 != 0)) {
+    if (P < 3 || ilv || xg == NULL || s == NULL || (blk != n && blk % 128 != 0)) {
         coli_rowdot_i4_tile_rowsg_avx2(w, rb, ilv, r0, nw, q, qstride, xs, sstride, P, n, block, out);
         return;
     }
