@@ -19,7 +19,9 @@ useful one is found within the first few dozen tokens; the pooled acceptance kee
 verdict from being a matter of luck.
 
 A policy can start from a previous generation's (``prior``): an LLM, the chat and the server pass
-the last one on, so a session's later requests begin at the depth that won before.
+the last one on, so a session's later requests begin at the depth that won before, and the count
+towards the next probe goes on where it stopped (no probe starts in a generation's first SETTLE
+iterations).
 
 The reference engine's guard is kept: after >= 24 drafts tested with < 10% accepted, drafting is
 off for the rest of the generation (drafts a verify forward dropped for their expert reads were
