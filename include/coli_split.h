@@ -66,17 +66,15 @@ COLI_AVX2 static inline int coli_split_q8_avx2(const int8_t *q, int n, uint8_t *
             memcpy(buf, x, (size_t)(n - i));
             x = buf;
         }
-        __m256i e[4], o[4];
+        __m256i v[4]; /* 32 inputs each: their 16 evens in the low half, their 16 odds in the high */
         for (int k = 0; k < 4; k++) {
-            /* 32 inputs: evens in quarters 0 and 2, odds in quarters 1 and 3 */
-            __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(x + 32 * k)), sh);
-            v = _mm256_permute4x64_epi64(v, 0xD8); /* quarters 0 2 1 3: 16 evens, then 16 odds */
-            e[k] = v;
-            o[k] = v;
+            /* vpshufb: evens in quarters 0 and 2, odds in 1 and 3; then quarters 0 2 1 3 */
+            v[k] = _mm256_permute4x64_epi64(
+                _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(x + 32 * k)), sh), 0xD8);
         }
-        /* evens of inputs 0..127: the low halves of e[0..3] in order; odds: the high halves */
-        __m256i xe0 = _mm256_permute2x128_si256(e[0], e[1], 0x20), xe1 = _mm256_permute2x128_si256(e[2], e[3], 0x20);
-        __m256i xo0 = _mm256_permute2x128_si256(o[0], o[1], 0x31), xo1 = _mm256_permute2x128_si256(o[2], o[3], 0x31);
+        /* evens of inputs 0..127: the low halves of v[0..3] in order; odds: the high halves */
+        __m256i xe0 = _mm256_permute2x128_si256(v[0], v[1], 0x20), xe1 = _mm256_permute2x128_si256(v[2], v[3], 0x20);
+        __m256i xo0 = _mm256_permute2x128_si256(v[0], v[1], 0x31), xo1 = _mm256_permute2x128_si256(v[2], v[3], 0x31);
         _mm256_storeu_si256((__m256i *)xg, xe0);
         _mm256_storeu_si256((__m256i *)(xg + 32), xe1);
         _mm256_storeu_si256((__m256i *)(xg + 64), xo0);
