@@ -97,6 +97,17 @@ cdef extern from "coli_kernels.h" nogil:
     void coli_dotsg_q4f32(const float *x, int n, const uint8_t *w, long rb, const float *ws, long wstride, int gs,
                           int nrows, float *out)
 
+cdef extern from "coli_gemm.h" nogil:
+    int COLI_GEMM_COLS
+    int coli_amx_supported()
+    int coli_amx_select(int on)
+    int coli_amx_active()
+    long coli_gemm_packed_bytes(int P, int K)
+    void coli_gemm_pack(const int8_t *q, int P, int K, int8_t *out)
+    int8_t *coli_gemm_scratch(int slot, long n)
+    int coli_gemm_rows(const uint8_t *w, long rb, long O, int ilv, int i4, int o0, int nw, const float *ws,
+                       const int8_t *packed, int P, int K, const float *xs, int idot2, float *y, long ldy)
+
 cdef extern from "coli_prefetch.h" nogil:
     void coli_prefetch_row(const void *p, Py_ssize_t nbytes)
 
@@ -455,6 +466,26 @@ cdef bint GROUP_KERNELS = os.environ.get("COLIBRI_GROUP_KERNELS", "1") != "0"
 cdef int PREFETCH_GROUPS = int(os.environ.get("COLIBRI_PREFETCH_GROUPS", "4"))
 
 
+# Batches of at least GEMM_MIN_ROWS rows take the AMX-INT8 GEMM (coli_gemm.h) where the CPU has it
+# (bit-identical to the tiles; COLIBRI_AMX=0 or select_amx(False) turns it off).
+cdef int GEMM_MIN_ROWS = int(os.environ.get("COLIBRI_GEMM_MIN_ROWS", "8"))
+coli_amx_select(os.environ.get("COLIBRI_AMX", "1") != "0")
+
+
+def amx_supported():
+    """Whether this CPU and OS let colibri use AMX-INT8 tiles."""
+    return bool(coli_amx_supported())
+
+
+def amx_active():
+    return bool(coli_amx_active())
+
+
+def select_amx(bint on):
+    """Turn the AMX-INT8 prefill GEMM on or off (on only where supported); returns whether it is on."""
+    return bool(coli_amx_select(on))
+
+
 def set_kernel_flags(block_sums=None, group_kernels=None, prefetch_groups=None):
     """Switch the bit-identical kernel variants at run time (for A/B benchmarks in one process);
     returns the flags now in force."""
@@ -736,6 +767,52 @@ cdef inline void quant_rows(const float *x, int S, int I, int blk, int nb, int i
                   xsum + <Py_ssize_t>(S + s) * nb if xsum != NULL else NULL)
 
 
+cdef inline bint gemm_ok(const QTc *W, int S, int nb, int idot) noexcept nogil:
+    """Whether W's integer matmul of S rows takes the AMX GEMM: int8 / int4 with one scale per row,
+    one activation block per row, a batch of GEMM_MIN_ROWS rows or more."""
+    return (S >= GEMM_MIN_ROWS and nb == 1 and W.gs == 0 and (W.fmt == FMT_I8 or W.fmt == FMT_I4)
+            and idot != IDOT_FLOAT and GROUP_KERNELS and coli_amx_active()
+            and coli_isa_active() == COLI_ISA_AVX512VNNI)
+
+
+cdef inline int gemm_items(int O) noexcept nogil:
+    return (O + COLI_GEMM_COLS - 1) // COLI_GEMM_COLS
+
+
+cdef bint gemm_matmuls(const QTc **Ws, float **ys, int nW, int S, const int8_t *xq, const float *xs,
+                       int idot, int nt) noexcept nogil:
+    """ys[k][S, O_k] = the integer matmuls of the quantized rows xq (quant_rows' layout, one block
+    per row) by the matrices Ws[k] of one input width, on the AMX GEMM: the rows packed once into
+    the tiles' layout, then COLI_GEMM_COLS weight rows a work item. Bit-identical to int_group
+    (an item whose panel cannot be allocated takes it). False (nothing done) when the packed
+    rows' memory cannot be had."""
+    cdef int K = Ws[0].I, k, it, total = 0, o0, nw, g
+    cdef int starts[MANY_MAX + 1]
+    cdef long half = coli_gemm_packed_bytes(S, K)
+    cdef bint two = idot == IDOT_Q8X2
+    cdef int8_t *packed = coli_gemm_scratch(0, (2 if two else 1) * half)
+    if packed == NULL:
+        return False
+    coli_gemm_pack(xq, S, K, packed)
+    if two:
+        coli_gemm_pack(xq + <Py_ssize_t>S * K, S, K, packed + half)
+    for k in range(nW):
+        starts[k] = total
+        total += gemm_items(Ws[k].O)
+    starts[nW] = total
+    for it in prange(total, schedule='dynamic', nogil=True, num_threads=nt):
+        k = 0
+        while starts[k + 1] <= it:
+            k = k + 1
+        o0 = (it - starts[k]) * COLI_GEMM_COLS
+        nw = Ws[k].O - o0 if Ws[k].O - o0 < COLI_GEMM_COLS else COLI_GEMM_COLS
+        if coli_gemm_rows(Ws[k].q, Ws[k].rb, Ws[k].O, Ws[k].ilv, Ws[k].fmt == FMT_I4, o0, nw, Ws[k].s, packed,
+                          S, K, xs, two, ys[k], Ws[k].O) != 0:
+            for g in range(o0 // GROUP_ROWS, (o0 + nw + GROUP_ROWS - 1) // GROUP_ROWS):
+                int_group(Ws[k], g, S, xq, xs, 1, K, idot, ys[k])
+    return True
+
+
 cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
                     int8_t *xq, float *xs, float *xr, int block, int idot, int32_t *xsum=NULL,
                     uint8_t *xg=NULL) noexcept nogil:
@@ -756,6 +833,8 @@ cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
         nb = act_nblocks(I, block)
         blk = I if nb == 1 else block
         quant_rows(x, S, I, blk, nb, idot, xq, xs, xr, xsum)
+        if gemm_ok(W, S, nb, idot) and gemm_matmuls(&W, &y, 1, S, xq, xs, idot, nt):
+            return
         gstride = coli_split_len(I)
         if xg != NULL and wants_split(W, nb):
             split_rows(xq, (2 if idot == IDOT_Q8X2 else 1) * S, I, xg, gstride)
@@ -788,8 +867,12 @@ cdef void matmul_many(const QTc **Ws, float **ys, int nW, const float *x, int S,
     starts[nW] = total
     cdef int nt = 1 if macs < PARALLEL_MIN_MACS else coli_max_threads()
     cdef Py_ssize_t gstride = coli_split_len(I)
-    cdef bint split = False
+    cdef bint split = False, gemm = True
     quant_rows(x, S, I, blk, nb, idot, xq, xs, xr, xsum)
+    for k in range(nW):
+        gemm = gemm and gemm_ok(Ws[k], S, nb, idot)
+    if gemm and gemm_matmuls(Ws, ys, nW, S, xq, xs, idot, nt):
+        return
     for k in range(nW):
         split = split or wants_split(Ws[k], nb)
     if xg != NULL and split:

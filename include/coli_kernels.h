@@ -31,6 +31,7 @@
 #include "coli_rows4.h"
 #include "coli_quant.h"
 #include "coli_group.h"
+#include "coli_gemm.h"
 
 enum { COLI_ISA_SCALAR = 0, COLI_ISA_AVX2 = 1, COLI_ISA_AVX512VNNI = 2 };
 

@@ -1053,18 +1053,24 @@ def ensure_container(model_dir: str, dst: str, name: str) -> Optional[str]:
     return None
 
 
-def colibri_variants(containers: Sequence[str], idots: Sequence[int]) -> List[dict]:
+def colibri_variants(containers: Sequence[str], idots: Sequence[int], amx_off: Sequence[str] = ()) -> List[dict]:
     """The colibri configurations measured with every expert cached (main table and engine-only
     rounds): each container at each ``--idot`` (2 = the default, exact; 1 = plain Q8
-    activations).  name: 'int4', 'int4 --idot 1', ...; weights: the tables' label; extra: the
-    run options."""
+    activations), and each container of ``amx_off`` (a CPU with AMX) at the default with the
+    AMX prefill GEMM turned off (COLIBRI_AMX=0: the AVX-512 VNNI tiles).  name: 'int4',
+    'int4 --idot 1', 'int4 AMX off', ...; weights: the tables' label; extra: the run options;
+    env: the process's extra environment."""
     out = []
     for c in containers:
         for idot in idots:
             flag = "" if idot == 2 else f" --idot {idot}"
             out.append({"name": c + flag, "container": c, "idot": idot, "peer": CONTAINERS[c]["peer"],
                         "weights": CONTAINERS[c]["label"] + ("," + flag if flag else ""),
-                        "extra": () if idot == 2 else ("--idot", str(idot))})
+                        "extra": () if idot == 2 else ("--idot", str(idot)), "env": {}})
+        if c in amx_off:
+            out.append({"name": c + " AMX off", "container": c, "idot": 2, "peer": CONTAINERS[c]["peer"],
+                        "weights": CONTAINERS[c]["label"] + ", AMX off", "extra": (),
+                        "env": {"COLIBRI_AMX": "0"}})
     return out
 
 
@@ -1073,8 +1079,9 @@ def dir_bytes(d: str, suffix: str = ".safetensors") -> int:
 
 
 def colibri_once(container: str, prompt: List[int], n_tokens: int, cache: int, threads: int, work: str,
-                 extra=(), what: str = "colibri") -> dict:
-    """One fresh `python -m colibri run` process; its --stats-json, or {'error'}."""
+                 extra=(), what: str = "colibri", env: Optional[dict] = None) -> dict:
+    """One fresh `python -m colibri run` process (``env``: extra environment); its --stats-json,
+    or {'error'}."""
     stats = os.path.join(work, f"colibri_stats_{cache}_{len(prompt)}.json")
     if os.path.exists(stats):
         os.remove(stats)
@@ -1082,7 +1089,7 @@ def colibri_once(container: str, prompt: List[int], n_tokens: int, cache: int, t
               "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(n_tokens),
               "--temperature", "0", "--cache-experts", str(cache), "--threads", str(threads),
               "--no-autopin", "--stats-json", stats, "--quiet", *extra],
-             env=dict(os.environ, OMP_NUM_THREADS=str(threads)), what=what)
+             env=dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {})), what=what)
     if r.returncode != 0 or not os.path.exists(stats):
         return {"error": "colibri run: " + last_error_line(r.stderr + r.stdout)}
     with open(stats) as f:
@@ -1098,7 +1105,7 @@ def colibri_rates(s: dict):
 
 def run_colibri(container: str, prompt: List[int], n_tokens: int, cache: int, threads: int,
                 runs: int, work: str, quiet_wait: float = 0.0, retries: int = 0, extra=(),
-                disk_pair: bool = False) -> dict:
+                disk_pair: bool = False, env: Optional[dict] = None) -> dict:
     """``disk_pair``: right after each measured run, the disk's own best rate on the container's
     file (measure_disk), kept in the sample as ``paired_disk_gbs`` — the disk's speed moves
     between minutes, so a run's read rate is judged against the disk of the same minute."""
@@ -1107,7 +1114,7 @@ def run_colibri(container: str, prompt: List[int], n_tokens: int, cache: int, th
     def measure(i):
         got = colibri_once(container, prompt, n_tokens, cache, threads, work, extra,
                            what=f"colibri {os.path.basename(container)} cache={cache} {' '.join(extra)} "
-                                f"{'warm-up' if i == 0 else f'run {i}'}")
+                                f"{'warm-up' if i == 0 else f'run {i}'}", env=env)
         if "error" in got:
             failure.append(got["error"])
             return None
@@ -1760,11 +1767,12 @@ def run_engine_rounds(variants: List[dict], lb_rows: List[dict], build: dict, pr
             errors[name] = v["error"]
             continue
         colibri_steps.append((name, lambda v=v: colibri_once(v["path"], prompt, N, 0, args.threads, work, v["extra"],
-                                                             what=f"colibri {v['name']} (engine-only round)")))
+                                                             what=f"colibri {v['name']} (engine-only round)",
+                                                             env=v.get("env"))))
         if L and L != P:
             colibri_steps.append((name + " long", lambda v=v: colibri_once(
                 v["path"], long_prompt, 2, 0, args.threads, work, v["extra"],
-                what=f"colibri {v['name']} {L}-token prompt (engine-only round)")))
+                what=f"colibri {v['name']} {L}-token prompt (engine-only round)", env=v.get("env"))))
     lb_steps = [(r["weights"], (lambda g=r["gguf"]: llama_bench_once(build, g, args.threads, lens, N, args.timeout)))
                 for r in lb_rows]
     # the machine's streaming read, measured in every round beside the engines it is compared with
@@ -2060,7 +2068,7 @@ def colibri_row(v: dict, cache: int, extra: Sequence[str], cached: str, ref: boo
     row["size_bytes"] = dir_bytes(v["path"])
     row.update(run_colibri(v["path"], prompt, args.tokens, cache, args.threads, args.runs, work,
                            args.quiet_wait, args.retries, tuple(v["extra"]) + tuple(extra),
-                           disk_pair="--direct" in extra))
+                           disk_pair="--direct" in extra, env=v.get("env")))
     if not row.get("error") and row.get("decode_tokens", args.tokens) < args.tokens:
         row["note"] = f"stopped at EOS after {row['decode_tokens']} tokens"
     elif not row.get("error") and row.get("hit_rate") is not None:
@@ -2104,7 +2112,8 @@ def run_bench(args) -> dict:
     containers = ["int4"] + ([] if args.skip_int8 else ["int8"])
     paths = {c: os.path.join(work, c) for c in containers}
     errors = {c: ensure_container(model_dir, paths[c], c) for c in containers}
-    variants = colibri_variants(containers, (2,) if args.skip_idot1 else (2, 1))
+    variants = colibri_variants(containers, (2,) if args.skip_idot1 else (2, 1),
+                                amx_off=("int4",) if res["machine"].get("amx") else ())
     for v in variants:
         v["path"], v["error"] = paths[v["container"]], errors[v["container"]]
     int4, err = paths["int4"], errors["int4"]

@@ -738,6 +738,69 @@ static void bench(int best)
 
 /* ------------------------------------------ main ------------------------------------------ */
 
+/* The batch GEMM (coli_gemm.h): its scalar definition against the one-row scalar dots (int8 and
+ * int4 rows, plain and interleaved, idot 1 and 2), and the AMX variant (when the CPU has it)
+ * bit-identical to the definition; weights, activations and scales end at guard pages. */
+static void check_gemm(void)
+{
+    const int Ks[] = {1, 2, 63, 64, 65, 127, 130, 301, 1024}, Os[] = {1, 5, 16, 17, 32, 37}, Ps[] = {1, 8, 17, 33};
+    int amx = coli_amx_select(1);
+    printf("gemm: AMX-INT8 %s\n", amx ? "on" : "not available (definition checked alone)");
+    for (size_t ki = 0; ki < sizeof Ks / sizeof Ks[0]; ki++)
+        for (size_t oi = 0; oi < sizeof Os / sizeof Os[0]; oi++)
+            for (size_t pi = 0; pi < sizeof Ps / sizeof Ps[0]; pi++)
+                for (int i4 = 0; i4 < 2; i4++) {
+                    int K = Ks[ki], O = Os[oi], P = Ps[pi];
+                    long rb = i4 ? (K + 1) / 2 : K;
+                    size_t wl = (size_t)(O * rb), ql = (size_t)2 * P * K;
+                    uint8_t *w = galloc(wl), *wi = galloc(wl), *tmp = malloc(4 * (size_t)rb + 1);
+                    int8_t *q = galloc(ql);
+                    float *ws = galloc(sizeof(float) * O), *xs = galloc(sizeof(float) * 2 * P);
+                    float *y = malloc(sizeof(float) * P * O), *ya = malloc(sizeof(float) * P * O);
+                    int8_t *packed = malloc((size_t)2 * coli_gemm_packed_bytes(P, K));
+                    for (size_t i = 0; i < wl; i++)
+                        w[i] = (uint8_t)(rnd() & 0xFF);
+                    fill_q(q, ql, FILL_RANDOM);
+                    for (int i = 0; i < O; i++)
+                        ws[i] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
+                    for (int i = 0; i < 2 * P; i++)
+                        xs[i] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
+                    memcpy(wi, w, wl);
+                    coli_ilv_pack_inplace(wi, O, rb, tmp);
+                    coli_gemm_pack(q, P, K, packed);
+                    coli_gemm_pack(q + (long)P * K, P, K, packed + coli_gemm_packed_bytes(P, K));
+                    for (int ilv = 0; ilv < 2; ilv++)
+                        for (int idot2 = 0; idot2 < 2; idot2++) {
+                            const uint8_t *wv = ilv ? wi : w;
+                            coli_gemm_rows_scalar(wv, rb, O, ilv, i4, 0, O, ws, q, P, K, xs, idot2, y, O);
+                            for (int p = 0; p < P; p++)
+                                for (int r = 0; r < O; r++) {
+                                    const int8_t *q1 = q + (long)p * K, *q2 = q + (long)(P + p) * K;
+                                    float t = i4 ? coli_rowdot_i4_scalar(w + r * rb, q1, xs + p, K, K)
+                                                 : coli_rowdot_i8_scalar((const int8_t *)w + r * rb, q1, xs + p, K, K);
+                                    if (idot2)
+                                        t = t + (i4 ? coli_rowdot_i4_scalar(w + r * rb, q2, xs + P + p, K, K)
+                                                    : coli_rowdot_i8_scalar((const int8_t *)w + r * rb, q2,
+                                                                            xs + P + p, K, K));
+                                    CHECK(same_bits(y[p * O + r], t * ws[r]), "gemm scalar %s K=%d O=%d P=%d ilv=%d "
+                                          "idot2=%d p=%d r=%d", i4 ? "i4" : "i8", K, O, P, ilv, idot2, p, r);
+                                }
+                            if (!amx)
+                                continue;
+                            for (int o0 = 0; o0 < O; o0 += COLI_GEMM_COLS) {
+                                int nw = O - o0 < COLI_GEMM_COLS ? O - o0 : COLI_GEMM_COLS;
+                                CHECK(coli_gemm_rows(wv, rb, O, ilv, i4, o0, nw, ws, packed, P, K, xs, idot2, ya, O) == 0,
+                                      "gemm amx failed K=%d O=%d", K, O);
+                            }
+                            CHECK(memcmp(y, ya, sizeof(float) * P * O) == 0, "gemm amx %s K=%d O=%d P=%d ilv=%d idot2=%d",
+                                  i4 ? "i4" : "i8", K, O, P, ilv, idot2);
+                        }
+                    gfree(w, wl); gfree(wi, wl); gfree(q, ql); gfree(ws, sizeof(float) * O);
+                    gfree(xs, sizeof(float) * 2 * P);
+                    free(tmp); free(y); free(ya); free(packed);
+                }
+}
+
 int main(int argc, char **argv)
 {
     g_rng = 0x9E3779B97F4A7C15ULL; /* this selftest's own stream */
@@ -766,6 +829,7 @@ int main(int argc, char **argv)
                g_maxrel[isa][0], g_maxrel[isa][1], g_maxrel[isa][2]);
     }
 
+    check_gemm();
     if (do_bench)
         bench(best);
     coli_select_isa(best);

@@ -1,0 +1,93 @@
+"""The batch GEMM (AMX-INT8 tiles, include/coli_gemm.h): prefill's integer matmuls give bit for bit
+what the tiles give, for every format, layout, width and row count; the path turns off cleanly."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from colibri import _core, model_init
+from colibri.convert import convert
+from colibri.models import DEFAULT_MODEL_DIR
+from conftest import DATA
+
+
+@pytest.fixture
+def amx_restored():
+    was = _core.amx_active()
+    yield
+    _core.select_amx(was)
+
+
+def _qt(rng, fmt, O, I, ilv):
+    if fmt == "i8":
+        payload = rng.integers(-127, 128, O * I).astype(np.int8).view(np.uint8)
+    else:
+        payload = rng.integers(0, 256, O * ((I + 1) // 2)).astype(np.uint8)
+    qt = _core.QT.from_packed(payload, rng.uniform(0.01, 0.1, O).astype(np.float32), O, I)
+    if ilv:
+        qt.interleave()
+    return qt
+
+
+def _bits(a):
+    return np.ascontiguousarray(a).view(np.uint32)
+
+
+def test_select_amx_is_on_only_where_the_cpu_has_it(amx_restored):
+    assert _core.select_amx(True) == _core.amx_supported() == _core.amx_active()
+    assert _core.select_amx(False) is False and not _core.amx_active()
+
+
+@pytest.mark.parametrize("fmt", ["i8", "i4"])
+@pytest.mark.parametrize("O,I", [(37, 64), (64, 1024), (33, 77), (100, 301), (5, 63), (48, 513)])
+def test_gemm_matmul_is_bit_identical_to_the_tiles(fmt, O, I, amx_restored):
+    rng = np.random.default_rng(O * 1000 + I)
+    for ilv in (False, True):
+        qt = _qt(rng, fmt, O, I, ilv)
+        for S in (8, 17, 64, 511):
+            x = rng.standard_normal((S, I)).astype(np.float32)
+            x[3] = 0.0                                  # an all-zero row (scale 0)
+            for idot in (1, 2):
+                _core.select_amx(False)
+                want = _core.matmul(qt, x, idot=idot)
+                _core.select_amx(True)
+                got = _core.matmul(qt, x, idot=idot)
+                np.testing.assert_array_equal(_bits(got), _bits(want))
+                # and each row as decode computes it alone
+                np.testing.assert_array_equal(_bits(got[S - 1]), _bits(_core.matmul(qt, x[S - 1:], idot=idot)[0]))
+
+
+@pytest.fixture(scope="module")
+def int4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("int4") / "c"
+    convert(DATA / "tiny_dsa", out, verbose=False)
+    return out
+
+
+@pytest.mark.parametrize("model", ["int4", "default"])
+def test_prefill_logits_and_kv_equal_with_and_without_amx(model, int4, amx_restored):
+    path = int4 if model == "int4" else DEFAULT_MODEL_DIR
+    ids = [(i * 37 + 11) % 256 for i in range(70)]
+    out = []
+    for on in (False, True):
+        _core.select_amx(on)
+        m = model_init(path)
+        m.kv_alloc(len(ids) + 4)
+        logits = m.step_all(ids, 0)
+        nxt = m.step([int(np.argmax(logits[-1]))], len(ids))
+        out.append((logits, nxt, [np.array(a) for a in m.Lc]))
+    np.testing.assert_array_equal(out[0][0], out[1][0])
+    np.testing.assert_array_equal(out[0][1], out[1][1])
+    for a, b in zip(out[0][2], out[1][2]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_colibri_amx_0_turns_the_path_off_at_import():
+    code = "from colibri import _core; print(_core.amx_active(), _core.amx_supported())"
+    env = dict(os.environ, COLIBRI_AMX="0")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    active, supported = p.stdout.split()
+    assert active == "False" and supported in ("True", "False")
