@@ -180,17 +180,42 @@ static inline int coli_amx_supported(void)
     return known;
 }
 
+/* out[kk] = dword kk of every r[n] (a 16 x 16 transpose of 32-bit elements in four rounds of
+ * shuffles: after the 32- and 64-bit interleaves, u[4i + j] holds, in each 128-bit lane L, rows
+ * 4i .. 4i+3 of column 4L + j; the lane shuffles gather column 4L + j's four lanes). */
+COLI_AMX static inline void coli_transpose16_epi32(const __m512i r[16], __m512i out[16])
+{
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512i a = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), b = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        __m512i c = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE), d = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+        out[j] = _mm512_shuffle_i32x4(a, b, 0x88);
+        out[4 + j] = _mm512_shuffle_i32x4(a, b, 0xDD);
+        out[8 + j] = _mm512_shuffle_i32x4(c, d, 0x88);
+        out[12 + j] = _mm512_shuffle_i32x4(c, d, 0xDD);
+    }
+}
+
 /* The panel of weight rows o0 .. o0+nw-1 (rows past nw: zeros): for each chunk c, two B tiles
- * (rows o0 .. o0+15, o0+16 .. o0+31) at A + (2c + t)*1024; a tile's 16 rows decoded into a row-major
- * buffer, then its row kk (dword kk of every weight row) gathered. */
+ * (rows o0 .. o0+15, o0+16 .. o0+31) at A + (2c + t)*1024, each its 16 rows' 64 inputs as int8,
+ * transposed by dwords. */
 COLI_AMX static inline void coli_gemm_panel_amx(const uint8_t *w, long rb, long O, int ilv, int i4, int o0, int nw,
                                                 int K, int8_t *A)
 {
     int nkc = coli_gemm_nkc(K), full = K / 64;
     const __m512i eight = _mm512_set1_epi8(8);
-    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(64));
-    int8_t rows[16 * 64] __attribute__((aligned(64)));
+    int8_t tail[64] __attribute__((aligned(64)));
+    __m512i r[16], out[16];
     for (int c = 0; c < nkc; c++)
         for (int t = 0; t < 2; t++) {
             int8_t *dst = A + (2L * c + t) * 1024;
@@ -199,22 +224,22 @@ COLI_AMX static inline void coli_gemm_panel_amx(const uint8_t *w, long rb, long 
                 continue;
             }
             for (int n = 0; n < 16; n++) {
-                int r = 16 * t + n;
-                int8_t *row = rows + n * 64;
-                if (r >= nw) {
-                    memset(row, 0, 64);
+                int row = 16 * t + n;
+                if (row >= nw) {
+                    r[n] = _mm512_setzero_si512();
                 } else if (c < full) {
-                    const uint8_t *p = coli_gemm_row_at(w, rb, O, ilv, o0 + r, i4 ? 32L * c : 64L * c);
-                    __m512i v = i4 ? _mm512_sub_epi8(
-                                         coli_i4x64_unpack_avx512(_mm256_loadu_si256((const __m256i *)p)), eight)
-                                   : _mm512_loadu_si512((const void *)p);
-                    _mm512_store_si512((void *)row, v);
+                    const uint8_t *p = coli_gemm_row_at(w, rb, O, ilv, o0 + row, i4 ? 32L * c : 64L * c);
+                    r[n] = i4 ? _mm512_sub_epi8(coli_i4x64_unpack_avx512(_mm256_loadu_si256((const __m256i *)p)),
+                                                eight)
+                              : _mm512_loadu_si512((const void *)p);
                 } else {
-                    coli_gemm_chunk_scalar(w, rb, O, ilv, i4, o0 + r, c, K, row);
+                    coli_gemm_chunk_scalar(w, rb, O, ilv, i4, o0 + row, c, K, tail);
+                    r[n] = _mm512_load_si512((const void *)tail);
                 }
             }
+            coli_transpose16_epi32(r, out);
             for (int kk = 0; kk < 16; kk++)
-                _mm512_store_si512((void *)(dst + kk * 64), _mm512_i32gather_epi32(at, (const void *)(rows + 4 * kk), 1));
+                _mm512_store_si512((void *)(dst + kk * 64), out[kk]);
         }
 }
 
