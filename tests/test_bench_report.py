@@ -261,6 +261,25 @@ def test_verdict_says_what_this_run_did_not_measure():
     assert "% of streaming read" in text and "streaming read (" not in text
 
 
+def test_prefill_lines_judge_int4_with_and_without_amx_against_q4_0():
+    res = synthetic()
+    eo = res["engine_rounds"]["colibri"]
+    q4 = _lb_tests([400.0], [380.0], [230.0, 250.0])           # synthetic()'s llama-bench Q4_0
+    eo["int4 AMX off"] = _variant("int4", {"pp32": [440.0], "pp512": [475.0], "tg64": [300.0]}, q4,
+                                  {"pp32": [1.0, 1.2], "pp512": [1.2, 1.3]})
+    v = {r["must_hold"]: r for r in bench.verdict_rows(res)}
+    short = v["int4 (io int8), AMX off, all cached ≥ 1.2× llama-bench Q4_0 (pp32, engine-only rounds)"]
+    long = v["int4 (io int8), AMX off, all cached ≥ 1.5× llama-bench Q4_0 (pp512, engine-only rounds)"]
+    assert math.isclose(short["ratio"], 440 / 400) and short["holds"] is False
+    assert math.isclose(long["ratio"], 475 / 380) and long["holds"] is False
+    assert "within a round 1.20–1.30×" in long["measured"]
+    assert v["int4 (io int8) all cached ≥ 1.5× llama-bench Q4_0 (pp512, engine-only rounds)"]["holds"] is not None
+    # the AMX-off variant: the default run with COLIBRI_AMX=0, only for the containers asked
+    vs = bench.colibri_variants(["int4", "int8"], (2,), amx_off=("int4",))
+    assert [(x["name"], x["env"]) for x in vs] == [("int4", {}), ("int4 AMX off", {"COLIBRI_AMX": "0"}),
+                                                   ("int8", {})]
+
+
 def test_variants_and_their_flags():
     names = lambda vs: [v["name"] for v in vs]  # noqa: E731
     assert names(bench.colibri_variants(["int4", "int8"], (2, 1))) == ["int4", "int4 --idot 1", "int8", "int8 --idot 1"]

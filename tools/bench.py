@@ -775,6 +775,10 @@ READ_SHARE = 0.60         # int4 all-cached weight bytes/s ÷ the 2-thread strea
 INT8_OVER_Q8_0 = 1.2      # colibri int8 all cached ÷ llama-bench Q8_0 (tgN, engine-only rounds)
 PAGED_OVER_ALL = 0.8      # 4 experts/layer from the page cache ÷ all cached (colibri decode)
 DIRECT_OVER_FIO = 0.85    # colibri's O_DIRECT read GB/s ÷ fio's best on the same file
+#: Issue 14's prefill bars: colibri int4 all cached ÷ llama-bench Q4_0 (engine-only rounds), with
+#: the AMX GEMM and, on an AMX CPU, with it off (the AVX-512 VNNI tiles).
+INT4_OVER_Q4_0_PP_SHORT = 1.2   # the short prompt (pp32)
+INT4_OVER_Q4_0_PP_LONG = 1.5    # the long prompt (pp512)
 
 
 def _line(must: str, measured: Optional[str], ratio: Optional[float], target: str, ok) -> dict:
@@ -786,15 +790,16 @@ def _line(must: str, measured: Optional[str], ratio: Optional[float], target: st
             "holds": None if ratio is None or ok is None else bool(ok(ratio))}
 
 
-def _vs_peer_line(res: dict, name: str, target: float) -> dict:
-    """colibri variant ``name`` ÷ llama-bench on its peer quantization, tgN of the engine-only
-    rounds (the averages; the within-round range in the text)."""
+def _vs_peer_line(res: dict, name: str, target: float, key: Optional[str] = None) -> dict:
+    """colibri variant ``name`` ÷ llama-bench on its peer quantization, ``key`` (default tgN; ppN
+    for a prefill) of the engine-only rounds (the averages; the within-round range in the text)."""
     p = res.get("params", {})
-    N = p.get("tokens")
-    key = f"tg{N}"
+    key = key or f"tg{p.get('tokens')}"
     c = ((res.get("engine_rounds") or {}).get("colibri") or {}).get(name)
-    peer = CONTAINERS[name]["peer"]
-    must = f"{CONTAINERS[name]['label']} all cached ≥ {target:.1f}× llama-bench {peer} ({key}, engine-only rounds)"
+    container = name.split()[0]
+    peer = CONTAINERS[container]["peer"]
+    label = CONTAINERS[container]["label"] + name[len(container):].replace(" AMX off", ", AMX off,")
+    must = f"{label} all cached ≥ {target:.1f}× llama-bench {peer} ({key}, engine-only rounds)"
     ratio = (c or {}).get("ratios", {}).get(key)
     if ratio is None:
         return _line(must, None, None, f"≥ {target:.2f}×", None)
@@ -879,6 +884,11 @@ def verdict_rows(res: dict) -> List[dict]:
                      paged["decode_tok_s"] / ref["decode_tok_s"] if both else None,
                      f"≥ {PAGED_OVER_ALL:.2f}×", lambda x: x >= PAGED_OVER_ALL))
     out.append(_direct_line(res, next((r for r in col if "O_DIRECT" in str(r.get("cached"))), None)))
+    P, L = res.get("params", {}).get("prompt_len"), res.get("params", {}).get("long_prompt")
+    for name in ["int4"] + [n for n in ((res.get("engine_rounds") or {}).get("colibri") or {}) if n.endswith("AMX off")]:
+        out.append(_vs_peer_line(res, name, INT4_OVER_Q4_0_PP_SHORT, f"pp{P}"))
+        if L:
+            out.append(_vs_peer_line(res, name, INT4_OVER_Q4_0_PP_LONG, f"pp{L}"))
     configs = [(f"colibri {r.get('weights')}, {r.get('cached')} cached", r) for r in col if ok(r)]
     configs += [(f"colibri {c['weights']}, engine-only rounds", c)
                 for c in ((res.get("engine_rounds") or {}).get("colibri") or {}).values()]
@@ -906,7 +916,7 @@ def verdict_table(res: dict) -> List[str]:
     vr = res.get("verdict") or verdict_rows(res)
     body = [[v["must_hold"], v["measured"], v.get("ratio_text") or _x(v["ratio"]), v["target"],
              "–" if v["holds"] is None else ("yes" if v["holds"] else "**no**")] for v in vr]
-    return ["", "Issue 12's \"what must hold\", from this run (medians and averages as in the tables above):", "",
+    return ["", "Issues 12's and 14's \"what must hold\", from this run (medians and averages as in the tables above):", "",
             markdown_table(["must hold", "measured", "ratio", "target", "holds"], body)]
 
 
