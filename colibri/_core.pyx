@@ -103,10 +103,11 @@ cdef extern from "coli_gemm.h" nogil:
     int coli_amx_select(int on)
     int coli_amx_active()
     long coli_gemm_packed_bytes(int P, int K)
-    void coli_gemm_pack(const int8_t *q, int P, int K, int8_t *out)
+    void coli_gemm_pack(const int8_t *q, int P, int K, int8_t *out, int32_t *sums)
     int8_t *coli_gemm_scratch(int slot, long n)
     int coli_gemm_rows(const uint8_t *w, long rb, long O, int ilv, int i4, int o0, int nw, const float *ws,
-                       const int8_t *packed, int P, int K, const float *xs, int idot2, float *y, long ldy)
+                       const int8_t *packed, const int32_t *sums, int P, int K, const float *xs, int idot2, float *y,
+                       long ldy)
 
 cdef extern from "coli_prefetch.h" nogil:
     void coli_prefetch_row(const void *p, Py_ssize_t nbytes)
@@ -467,8 +468,12 @@ cdef int PREFETCH_GROUPS = int(os.environ.get("COLIBRI_PREFETCH_GROUPS", "4"))
 
 
 # Batches of at least GEMM_MIN_ROWS rows take the AMX-INT8 GEMM (coli_gemm.h) where the CPU has it
-# (bit-identical to the tiles; COLIBRI_AMX=0 or select_amx(False) turns it off).
+# (COLIBRI_AMX=0 or select_amx(False) turns it off), else batches of GEMM_VNNI_MIN_ROWS rows or more
+# the AVX-512 VNNI GEMM (0: never); both bit-identical to the tiles. set_kernel_flags(gemm=False)
+# keeps every batch on the tiles (A/B runs, tests).
 cdef int GEMM_MIN_ROWS = int(os.environ.get("COLIBRI_GEMM_MIN_ROWS", "8"))
+cdef int GEMM_VNNI_MIN_ROWS = int(os.environ.get("COLIBRI_GEMM_VNNI_MIN_ROWS", "16"))
+cdef bint GEMM = os.environ.get("COLIBRI_GEMM", "1") != "0"
 coli_amx_select(os.environ.get("COLIBRI_AMX", "1") != "0")
 
 
@@ -486,10 +491,12 @@ def select_amx(bint on):
     return bool(coli_amx_select(on))
 
 
-def set_kernel_flags(block_sums=None, group_kernels=None, prefetch_groups=None):
+def set_kernel_flags(block_sums=None, group_kernels=None, prefetch_groups=None, gemm=None):
     """Switch the bit-identical kernel variants at run time (for A/B benchmarks in one process);
     returns the flags now in force."""
-    global BLOCK_SUMS, GROUP_KERNELS, PREFETCH_GROUPS
+    global BLOCK_SUMS, GROUP_KERNELS, PREFETCH_GROUPS, GEMM
+    if gemm is not None:
+        GEMM = bool(gemm)
     if block_sums is not None:
         BLOCK_SUMS = bool(block_sums)
     if group_kernels is not None:
@@ -497,7 +504,7 @@ def set_kernel_flags(block_sums=None, group_kernels=None, prefetch_groups=None):
     if prefetch_groups is not None:
         PREFETCH_GROUPS = max(int(prefetch_groups), 0)
     return {"block_sums": bool(BLOCK_SUMS), "group_kernels": bool(GROUP_KERNELS),
-            "prefetch_groups": PREFETCH_GROUPS}
+            "prefetch_groups": PREFETCH_GROUPS, "gemm": bool(GEMM)}
 
 cdef enum:
     GROUP_ROWS = 4      # weight rows per work item of the integer matmuls (see int_group)
@@ -768,11 +775,12 @@ cdef inline void quant_rows(const float *x, int S, int I, int blk, int nb, int i
 
 
 cdef inline bint gemm_ok(const QTc *W, int S, int nb, int idot) noexcept nogil:
-    """Whether W's integer matmul of S rows takes the AMX GEMM: int8 / int4 with one scale per row,
-    one activation block per row, a batch of GEMM_MIN_ROWS rows or more."""
-    return (S >= GEMM_MIN_ROWS and nb == 1 and W.gs == 0 and (W.fmt == FMT_I8 or W.fmt == FMT_I4)
-            and idot != IDOT_FLOAT and GROUP_KERNELS and coli_amx_active()
-            and coli_isa_active() == COLI_ISA_AVX512VNNI)
+    """Whether W's integer matmul of S rows takes a GEMM (AMX where on, else AVX-512 VNNI): int8 /
+    int4 with one scale per row, one activation block per row, a batch of GEMM_MIN_ROWS rows or
+    more (AMX), GEMM_VNNI_MIN_ROWS (VNNI)."""
+    cdef int least = GEMM_MIN_ROWS if coli_amx_active() else GEMM_VNNI_MIN_ROWS
+    return (GEMM and least > 0 and S >= least and nb == 1 and W.gs == 0 and (W.fmt == FMT_I8 or W.fmt == FMT_I4)
+            and idot != IDOT_FLOAT and GROUP_KERNELS and coli_isa_active() == COLI_ISA_AVX512VNNI)
 
 
 cdef inline int gemm_items(int O) noexcept nogil:
@@ -782,20 +790,22 @@ cdef inline int gemm_items(int O) noexcept nogil:
 cdef bint gemm_matmuls(const QTc **Ws, float **ys, int nW, int S, const int8_t *xq, const float *xs,
                        int idot, int nt) noexcept nogil:
     """ys[k][S, O_k] = the integer matmuls of the quantized rows xq (quant_rows' layout, one block
-    per row) by the matrices Ws[k] of one input width, on the AMX GEMM: the rows packed once into
-    the tiles' layout, then COLI_GEMM_COLS weight rows a work item. Bit-identical to int_group
+    per row) by the matrices Ws[k] of one input width, on a GEMM (coli_gemm_rows): the rows packed
+    once into AMX's A-tile layout (and their sums, which the VNNI kernel takes), then
+    COLI_GEMM_COLS weight rows a work item. Bit-identical to int_group
     (an item whose panel cannot be allocated takes it). False (nothing done) when the packed
     rows' memory cannot be had."""
     cdef int K = Ws[0].I, k, it, total = 0, o0, nw, g
     cdef int starts[MANY_MAX + 1]
     cdef long half = coli_gemm_packed_bytes(S, K)
     cdef bint two = idot == IDOT_Q8X2
-    cdef int8_t *packed = coli_gemm_scratch(0, (2 if two else 1) * half)
+    cdef int8_t *packed = coli_gemm_scratch(0, 2 * half + 2 * <long>S * sizeof(int32_t))
     if packed == NULL:
         return False
-    coli_gemm_pack(xq, S, K, packed)
+    cdef int32_t *sums = <int32_t *>(packed + 2 * half)     # [2·S] the packed rows' sums
+    coli_gemm_pack(xq, S, K, packed, sums)
     if two:
-        coli_gemm_pack(xq + <Py_ssize_t>S * K, S, K, packed + half)
+        coli_gemm_pack(xq + <Py_ssize_t>S * K, S, K, packed + half, sums + S)
     for k in range(nW):
         starts[k] = total
         total += gemm_items(Ws[k].O)
@@ -807,7 +817,7 @@ cdef bint gemm_matmuls(const QTc **Ws, float **ys, int nW, int S, const int8_t *
         o0 = (it - starts[k]) * COLI_GEMM_COLS
         nw = Ws[k].O - o0 if Ws[k].O - o0 < COLI_GEMM_COLS else COLI_GEMM_COLS
         if coli_gemm_rows(Ws[k].q, Ws[k].rb, Ws[k].O, Ws[k].ilv, Ws[k].fmt == FMT_I4, o0, nw, Ws[k].s, packed,
-                          S, K, xs, two, ys[k], Ws[k].O) != 0:
+                          sums, S, K, xs, two, ys[k], Ws[k].O) != 0:
             for g in range(o0 // GROUP_ROWS, (o0 + nw + GROUP_ROWS - 1) // GROUP_ROWS):
                 int_group(Ws[k], g, S, xq, xs, 1, K, idot, ys[k])
     return True

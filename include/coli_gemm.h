@@ -61,9 +61,15 @@ static inline long coli_gemm_packed_bytes(int P, int K)
     return (long)((P + 15) / 16) * coli_gemm_nkc(K) * 1024;
 }
 
-static inline void coli_gemm_pack(const int8_t *q, int P, int K, int8_t *out)
+static inline void coli_gemm_pack(const int8_t *q, int P, int K, int8_t *out, int32_t *sums)
 {
     int nkc = coli_gemm_nkc(K);
+    for (int p = 0; sums && p < P; p++) {         /* the rows' sums (the VNNI kernel's bias term) */
+        int32_t t = 0;
+        for (int k = 0; k < K; k++)
+            t += q[(long)p * K + k];
+        sums[p] = t;
+    }
     for (int b = 0; b < (P + 15) / 16; b++)
         for (int c = 0; c < nkc; c++) {
             int8_t *t = out + ((long)b * nkc + c) * 1024;
@@ -143,6 +149,172 @@ static inline void coli_gemm_rows_scalar(const uint8_t *w, long rb, long O, int 
         }
 }
 
+#if COLI_X86
+/* out[kk] = dword kk of every r[n] (a 16 x 16 transpose of 32-bit elements in four rounds of
+ * shuffles: after the 32- and 64-bit interleaves, u[4i + j] holds, in each 128-bit lane L, rows
+ * 4i .. 4i+3 of column 4L + j; the lane shuffles gather column 4L + j's four lanes). */
+COLI_AVX512 static inline void coli_transpose16_epi32(const __m512i r[16], __m512i out[16])
+{
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512i a = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), b = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        __m512i c = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE), d = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+        out[j] = _mm512_shuffle_i32x4(a, b, 0x88);
+        out[4 + j] = _mm512_shuffle_i32x4(a, b, 0xDD);
+        out[8 + j] = _mm512_shuffle_i32x4(c, d, 0x88);
+        out[12 + j] = _mm512_shuffle_i32x4(c, d, 0xDD);
+    }
+}
+
+/* The panel of weight rows o0 .. o0+nw-1 (rows past nw: zeros): for each chunk c, two B tiles
+ * (rows o0 .. o0+15, o0+16 .. o0+31) at A + (2c + t)*1024, each its 16 rows' 64 inputs transposed by
+ * dwords: as int8 v (unsig = 0, AMX's TDPBSSD), or as the unsigned operand vpdpbusd wants (unsig =
+ * 1: int4 u = v + 8, int8 w + 128; zeros past input K-1 either way). */
+COLI_AVX512 static inline void coli_gemm_panel(const uint8_t *w, long rb, long O, int ilv, int i4, int o0, int nw,
+                                               int K, int unsig, int8_t *A)
+{
+    int nkc = coli_gemm_nkc(K), full = K / 64;
+    const __m512i eight = _mm512_set1_epi8(unsig ? 0 : 8), flip = _mm512_set1_epi8(unsig ? (char)0x80 : 0);
+    int8_t tail[64] __attribute__((aligned(64)));
+    __m512i r[16], out[16];
+    for (int c = 0; c < nkc; c++)
+        for (int t = 0; t < 2; t++) {
+            int8_t *dst = A + (2L * c + t) * 1024;
+            if (16 * t >= nw) {
+                memset(dst, 0, 1024);
+                continue;
+            }
+            for (int n = 0; n < 16; n++) {
+                int row = 16 * t + n;
+                if (row >= nw) {
+                    r[n] = _mm512_setzero_si512();
+                } else if (c < full) {
+                    const uint8_t *p = coli_gemm_row_at(w, rb, O, ilv, o0 + row, i4 ? 32L * c : 64L * c);
+                    r[n] = i4 ? _mm512_sub_epi8(coli_i4x64_unpack_avx512(_mm256_loadu_si256((const __m256i *)p)),
+                                                eight)
+                              : _mm512_xor_si512(_mm512_loadu_si512((const void *)p), flip);
+                } else {        /* the last, partial chunk: v, made unsigned where it is a weight */
+                    int kn = K - 64 * c;
+                    coli_gemm_chunk_scalar(w, rb, O, ilv, i4, o0 + row, c, K, tail);
+                    for (int k = 0; unsig && k < kn; k++)
+                        tail[k] = (int8_t)(i4 ? tail[k] + 8 : (uint8_t)tail[k] ^ 0x80);
+                    r[n] = _mm512_load_si512((const void *)tail);
+                }
+            }
+            coli_transpose16_epi32(r, out);
+            for (int kk = 0; kk < 16; kk++)
+                _mm512_store_si512((void *)(dst + kk * 64), out[kk]);
+        }
+}
+
+/* C tiles [16 activation rows, 16 weight rows] into y: activation rows p0 + m, weight rows o0 + n0 + n;
+ * with idot=2, C2 holds the residual rows' dots (scales xs2). A row of C at a time, each lane the
+ * scalar definition's operations in its order (the asm keeps the products from contracting into
+ * FMAs, as coli_block_acc does). */
+COLI_AVX512 static inline void coli_gemm_store(const int32_t *C1, const int32_t *C2, int n0, int nw, int p0, int P,
+                                            const float *xs1, const float *xs2, const float *ws, int o0, float *y,
+                                            long ldy)
+{
+    int nn = nw - n0 < 16 ? nw - n0 : 16;
+    __mmask16 k = (__mmask16)((1u << nn) - 1);
+    __m512 wv = _mm512_maskz_loadu_ps(k, ws + o0 + n0);
+    for (int m = 0; m < 16 && p0 + m < P; m++) {
+        int p = p0 + m;
+        __m512 p1 = _mm512_mul_ps(_mm512_set1_ps(xs1[p]), _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(C1 + m * 16))));
+        __asm__("" : "+v"(p1));
+        __m512 t = _mm512_add_ps(_mm512_setzero_ps(), p1);
+        if (C2) {
+            __m512 p2 = _mm512_mul_ps(_mm512_set1_ps(xs2[p]),
+                                      _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(C2 + m * 16))));
+            __asm__("" : "+v"(p2));
+            t = _mm512_add_ps(t, _mm512_add_ps(_mm512_setzero_ps(), p2));
+        }
+        _mm512_mask_storeu_ps(y + (long)p * ldy + o0 + n0, k, _mm512_mul_ps(t, wv));
+    }
+}
+
+
+/* ===================================== AVX-512 VNNI ===================================== */
+
+/* The weight rows o0 .. o0+nw-1 (nw <= COLI_GEMM_COLS) against the packed rows (the layout AMX's A
+ * tiles read; row p's dword kk of chunk c at packed + (b*nkc + c)*1024 + n*64 + 4*kk, p = 16b + n),
+ * sums[p] their sums: per 4 inputs, two weight vectors (32 weight rows x 4 unsigned inputs, the
+ * panel of coli_gemm_panel with unsig) and one vpdpbusd per activation row and vector against the
+ * row's 4 inputs broadcast; dot = sum u*x - bias * sum x (bias 8 for int4, 128 for int8), exact.
+ * Eight activation rows at a time: with idot2 four rows and their four residual rows. y as
+ * coli_gemm_rows_scalar; -1 (nothing written) when the panel's memory cannot be had. */
+COLI_AVX512 static inline int coli_gemm_rows_vnni(const uint8_t *w, long rb, long O, int ilv, int i4, int o0, int nw,
+                                                  const float *ws, const int8_t *packed, const int32_t *sums, int P,
+                                                  int K, const float *xs, int idot2, float *y, long ldy)
+{
+    int nkc = coli_gemm_nkc(K), nblk = (P + 15) / 16, R = idot2 ? 4 : 8;
+    long bs = (long)nkc * 1024, half = (long)nblk * bs;
+    int8_t *B = coli_gemm_scratch(1, 2L * nkc * 1024);
+    if (B == NULL)
+        return -1;
+    coli_gemm_panel(w, rb, O, ilv, i4, o0, nw, K, 1, B);
+    const __m512i bias = _mm512_set1_epi32(i4 ? 8 : 128);
+    __mmask16 k0 = (__mmask16)(nw >= 16 ? 0xFFFF : (1u << nw) - 1);
+    __mmask16 k1 = (__mmask16)(nw <= 16 ? 0 : nw >= 32 ? 0xFFFF : (1u << (nw - 16)) - 1);
+    __m512 w0 = _mm512_maskz_loadu_ps(k0, ws + o0), w1 = _mm512_maskz_loadu_ps(k1, ws + o0 + 16);
+    for (int p0 = 0; p0 < P; p0 += R) {
+        __m512i acc[8][2];
+        const int8_t *row[8];
+        for (int r = 0; r < 8; r++)
+            acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+        for (int c = 0; c < nkc; c++) {
+            for (int r = 0; r < 8; r++) {    /* row r: p0 + r (idot1), or p0 + r % 4 of q1 / q2 (idot2) */
+                int p = idot2 ? p0 + r % 4 : p0 + r;
+                row[r] = packed + (idot2 && r >= 4 ? half : 0) + ((long)(p / 16) * nkc + c) * 1024 + (p % 16) * 64;
+            }
+            const int8_t *bt = B + 2L * c * 1024;
+            for (int kk = 0; kk < 16; kk++) {
+                __m512i b0 = _mm512_load_si512((const void *)(bt + kk * 64));
+                __m512i b1 = _mm512_load_si512((const void *)(bt + 1024 + kk * 64));
+                for (int r = 0; r < 8; r++) {
+                    int32_t x4;
+                    memcpy(&x4, row[r] + 4 * kk, 4);
+                    __m512i xv = _mm512_set1_epi32(x4);
+                    acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], b0, xv);
+                    acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], b1, xv);
+                }
+            }
+        }
+        for (int i = 0; i < R && p0 + i < P; i++) {
+            int p = p0 + i;
+            for (int t = 0; t < 2; t++) {
+                __mmask16 k = t ? k1 : k0;
+                if (!k)
+                    continue;
+                __m512i d1 = _mm512_sub_epi32(acc[i][t], _mm512_mullo_epi32(bias, _mm512_set1_epi32(sums[p])));
+                __m512 p1 = _mm512_mul_ps(_mm512_set1_ps(xs[p]), _mm512_cvtepi32_ps(d1));
+                __asm__("" : "+v"(p1));
+                __m512 v = _mm512_add_ps(_mm512_setzero_ps(), p1);
+                if (idot2) {
+                    __m512i d2 = _mm512_sub_epi32(acc[4 + i][t],
+                                                  _mm512_mullo_epi32(bias, _mm512_set1_epi32(sums[P + p])));
+                    __m512 p2 = _mm512_mul_ps(_mm512_set1_ps(xs[P + p]), _mm512_cvtepi32_ps(d2));
+                    __asm__("" : "+v"(p2));
+                    v = _mm512_add_ps(v, _mm512_add_ps(_mm512_setzero_ps(), p2));
+                }
+                _mm512_mask_storeu_ps(y + (long)p * ldy + o0 + 16 * t, k, _mm512_mul_ps(v, t ? w1 : w0));
+            }
+        }
+    }
+    return 0;
+}
+#endif
+
 #if COLI_HAVE_AMX
 /* ========================================== AMX ========================================== */
 
@@ -180,95 +352,6 @@ static inline int coli_amx_supported(void)
     return known;
 }
 
-/* out[kk] = dword kk of every r[n] (a 16 x 16 transpose of 32-bit elements in four rounds of
- * shuffles: after the 32- and 64-bit interleaves, u[4i + j] holds, in each 128-bit lane L, rows
- * 4i .. 4i+3 of column 4L + j; the lane shuffles gather column 4L + j's four lanes). */
-COLI_AMX static inline void coli_transpose16_epi32(const __m512i r[16], __m512i out[16])
-{
-    __m512i t[16], u[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        __m512i a = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44), b = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
-        __m512i c = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE), d = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
-        out[j] = _mm512_shuffle_i32x4(a, b, 0x88);
-        out[4 + j] = _mm512_shuffle_i32x4(a, b, 0xDD);
-        out[8 + j] = _mm512_shuffle_i32x4(c, d, 0x88);
-        out[12 + j] = _mm512_shuffle_i32x4(c, d, 0xDD);
-    }
-}
-
-/* The panel of weight rows o0 .. o0+nw-1 (rows past nw: zeros): for each chunk c, two B tiles
- * (rows o0 .. o0+15, o0+16 .. o0+31) at A + (2c + t)*1024, each its 16 rows' 64 inputs as int8,
- * transposed by dwords. */
-COLI_AMX static inline void coli_gemm_panel_amx(const uint8_t *w, long rb, long O, int ilv, int i4, int o0, int nw,
-                                                int K, int8_t *A)
-{
-    int nkc = coli_gemm_nkc(K), full = K / 64;
-    const __m512i eight = _mm512_set1_epi8(8);
-    int8_t tail[64] __attribute__((aligned(64)));
-    __m512i r[16], out[16];
-    for (int c = 0; c < nkc; c++)
-        for (int t = 0; t < 2; t++) {
-            int8_t *dst = A + (2L * c + t) * 1024;
-            if (16 * t >= nw) {
-                memset(dst, 0, 1024);
-                continue;
-            }
-            for (int n = 0; n < 16; n++) {
-                int row = 16 * t + n;
-                if (row >= nw) {
-                    r[n] = _mm512_setzero_si512();
-                } else if (c < full) {
-                    const uint8_t *p = coli_gemm_row_at(w, rb, O, ilv, o0 + row, i4 ? 32L * c : 64L * c);
-                    r[n] = i4 ? _mm512_sub_epi8(coli_i4x64_unpack_avx512(_mm256_loadu_si256((const __m256i *)p)),
-                                                eight)
-                              : _mm512_loadu_si512((const void *)p);
-                } else {
-                    coli_gemm_chunk_scalar(w, rb, O, ilv, i4, o0 + row, c, K, tail);
-                    r[n] = _mm512_load_si512((const void *)tail);
-                }
-            }
-            coli_transpose16_epi32(r, out);
-            for (int kk = 0; kk < 16; kk++)
-                _mm512_store_si512((void *)(dst + kk * 64), out[kk]);
-        }
-}
-
-/* C tiles [16 activation rows, 16 weight rows] into y: activation rows p0 + m, weight rows o0 + n0 + n;
- * with idot=2, C2 holds the residual rows' dots (scales xs2). A row of C at a time, each lane the
- * scalar definition's operations in its order (the asm keeps the products from contracting into
- * FMAs, as coli_block_acc does). */
-COLI_AMX static inline void coli_gemm_store(const int32_t *C1, const int32_t *C2, int n0, int nw, int p0, int P,
-                                            const float *xs1, const float *xs2, const float *ws, int o0, float *y,
-                                            long ldy)
-{
-    int nn = nw - n0 < 16 ? nw - n0 : 16;
-    __mmask16 k = (__mmask16)((1u << nn) - 1);
-    __m512 wv = _mm512_maskz_loadu_ps(k, ws + o0 + n0);
-    for (int m = 0; m < 16 && p0 + m < P; m++) {
-        int p = p0 + m;
-        __m512 p1 = _mm512_mul_ps(_mm512_set1_ps(xs1[p]), _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(C1 + m * 16))));
-        __asm__("" : "+v"(p1));
-        __m512 t = _mm512_add_ps(_mm512_setzero_ps(), p1);
-        if (C2) {
-            __m512 p2 = _mm512_mul_ps(_mm512_set1_ps(xs2[p]),
-                                      _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(C2 + m * 16))));
-            __asm__("" : "+v"(p2));
-            t = _mm512_add_ps(t, _mm512_add_ps(_mm512_setzero_ps(), p2));
-        }
-        _mm512_mask_storeu_ps(y + (long)p * ldy + o0 + n0, k, _mm512_mul_ps(t, wv));
-    }
-}
-
 /* The weight rows o0 .. o0+nw-1 (nw <= COLI_GEMM_COLS) against the packed activation rows (P rows,
  * then with idot2 their P residual rows from packed + coli_gemm_packed_bytes(P, K)): y as
  * coli_gemm_rows_scalar. Returns -1 (nothing written) when the panel's memory cannot be had. */
@@ -281,7 +364,7 @@ COLI_AMX static inline int coli_gemm_rows_amx(const uint8_t *w, long rb, long O,
     int8_t *B = coli_gemm_scratch(1, 2L * nkc * 1024);
     if (B == NULL)
         return -1;
-    coli_gemm_panel_amx(w, rb, O, ilv, i4, o0, nw, K, B);
+    coli_gemm_panel(w, rb, O, ilv, i4, o0, nw, K, 0, B);
     coli_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -347,24 +430,30 @@ static inline int coli_amx_select(int on)
 
 static inline int coli_amx_active(void) { return coli_amx_on; }
 
-static inline int coli_gemm_rows(const uint8_t *w, long rb, long O, int ilv, int i4, int o0, int nw, const float *ws,
-                                 const int8_t *packed, int P, int K, const float *xs, int idot2, float *y, long ldy)
-{
-    return coli_gemm_rows_amx(w, rb, O, ilv, i4, o0, nw, ws, packed, P, K, xs, idot2, y, ldy);
-}
-
 #else /* no AMX: the path stays off */
 
 static inline int coli_amx_supported(void) { return 0; }
 static inline int coli_amx_select(int on) { (void)on; return 0; }
 static inline int coli_amx_active(void) { return 0; }
-static inline int coli_gemm_rows(const uint8_t *w, long rb, long O, int ilv, int i4, int o0, int nw, const float *ws,
-                                 const int8_t *packed, int P, int K, const float *xs, int idot2, float *y, long ldy)
-{
-    (void)w; (void)rb; (void)O; (void)ilv; (void)i4; (void)o0; (void)nw; (void)ws; (void)packed; (void)P;
-    (void)K; (void)xs; (void)idot2; (void)y; (void)ldy;
-    return -1;
-}
 #endif
+
+/* The weight rows o0 .. o0+nw-1 against the packed rows: on AMX tiles when they are on, else with
+ * AVX-512 VNNI (the caller checks that ISA is active); -1 where neither exists (or no memory). */
+static inline int coli_gemm_rows(const uint8_t *w, long rb, long O, int ilv, int i4, int o0, int nw, const float *ws,
+                                 const int8_t *packed, const int32_t *sums, int P, int K, const float *xs, int idot2,
+                                 float *y, long ldy)
+{
+#if COLI_HAVE_AMX
+    if (coli_amx_active())
+        return coli_gemm_rows_amx(w, rb, O, ilv, i4, o0, nw, ws, packed, P, K, xs, idot2, y, ldy);
+#endif
+#if COLI_X86
+    return coli_gemm_rows_vnni(w, rb, O, ilv, i4, o0, nw, ws, packed, sums, P, K, xs, idot2, y, ldy);
+#else
+    (void)w; (void)rb; (void)O; (void)ilv; (void)i4; (void)o0; (void)nw; (void)ws; (void)packed; (void)sums;
+    (void)P; (void)K; (void)xs; (void)idot2; (void)y; (void)ldy;
+    return -1;
+#endif
+}
 
 #endif /* COLI_GEMM_H */

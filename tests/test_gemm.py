@@ -1,5 +1,6 @@
-"""The batch GEMM (AMX-INT8 tiles, include/coli_gemm.h): prefill's integer matmuls give bit for bit
-what the tiles give, for every format, layout, width and row count; the path turns off cleanly."""
+"""The batch GEMMs (include/coli_gemm.h: AMX-INT8 tiles, AVX-512 VNNI): prefill's integer matmuls
+give bit for bit what the decode tiles give, for every format, layout, width and row count; the
+paths turn off cleanly."""
 import os
 import subprocess
 import sys
@@ -18,6 +19,28 @@ def amx_restored():
     was = _core.amx_active()
     yield
     _core.select_amx(was)
+    _core.set_kernel_flags(gemm=True)
+
+
+def _paths():
+    """(name, set-up) of every path a batch matmul can take on this machine: the decode tiles (the
+    reference), the VNNI GEMM and the AMX GEMM where the ISA has them."""
+    def tiles():
+        _core.set_kernel_flags(gemm=False)
+
+    def vnni():
+        _core.set_kernel_flags(gemm=True)
+        _core.select_amx(False)
+
+    def amx():
+        _core.set_kernel_flags(gemm=True)
+        _core.select_amx(True)
+    out = [("tiles", tiles)]
+    if _core.isa_active() == "avx512vnni":
+        out.append(("vnni", vnni))
+    if _core.isa_active() == "avx512vnni" and _core.amx_supported():
+        out.append(("amx", amx))
+    return out
 
 
 def _qt(rng, fmt, O, I, ilv):
@@ -50,13 +73,15 @@ def test_gemm_matmul_is_bit_identical_to_the_tiles(fmt, O, I, amx_restored):
             x = rng.standard_normal((S, I)).astype(np.float32)
             x[3] = 0.0                                  # an all-zero row (scale 0)
             for idot in (1, 2):
-                _core.select_amx(False)
-                want = _core.matmul(qt, x, idot=idot)
-                _core.select_amx(True)
-                got = _core.matmul(qt, x, idot=idot)
-                np.testing.assert_array_equal(_bits(got), _bits(want))
+                got = {}
+                for name, use in _paths():
+                    use()
+                    got[name] = _core.matmul(qt, x, idot=idot)
+                for name, y in got.items():
+                    np.testing.assert_array_equal(_bits(y), _bits(got["tiles"]), err_msg=name)
                 # and each row as decode computes it alone
-                np.testing.assert_array_equal(_bits(got[S - 1]), _bits(_core.matmul(qt, x[S - 1:], idot=idot)[0]))
+                np.testing.assert_array_equal(_bits(got["tiles"][S - 1]),
+                                              _bits(_core.matmul(qt, x[S - 1:], idot=idot)[0]))
 
 
 @pytest.fixture(scope="module")
@@ -71,17 +96,18 @@ def test_prefill_logits_and_kv_equal_with_and_without_amx(model, int4, amx_resto
     path = int4 if model == "int4" else DEFAULT_MODEL_DIR
     ids = [(i * 37 + 11) % 256 for i in range(70)]
     out = []
-    for on in (False, True):
-        _core.select_amx(on)
+    for _, use in _paths():
+        use()
         m = model_init(path)
         m.kv_alloc(len(ids) + 4)
         logits = m.step_all(ids, 0)
         nxt = m.step([int(np.argmax(logits[-1]))], len(ids))
         out.append((logits, nxt, [np.array(a) for a in m.Lc]))
-    np.testing.assert_array_equal(out[0][0], out[1][0])
-    np.testing.assert_array_equal(out[0][1], out[1][1])
-    for a, b in zip(out[0][2], out[1][2]):
-        np.testing.assert_array_equal(a, b)
+    for got in out[1:]:
+        np.testing.assert_array_equal(out[0][0], got[0])
+        np.testing.assert_array_equal(out[0][1], got[1])
+        for a, b in zip(out[0][2], got[2]):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_colibri_amx_0_turns_the_path_off_at_import():

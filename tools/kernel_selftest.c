@@ -744,8 +744,9 @@ static void bench(int best)
 static void check_gemm(void)
 {
     const int Ks[] = {1, 2, 63, 64, 65, 127, 130, 301, 1024}, Os[] = {1, 5, 16, 17, 32, 37}, Ps[] = {1, 8, 17, 33};
-    int amx = coli_amx_select(1);
-    printf("gemm: AMX-INT8 %s\n", amx ? "on" : "not available (definition checked alone)");
+    int amx = coli_amx_select(1), vnni = coli_isa_best() == COLI_ISA_AVX512VNNI;
+    printf("gemm: AMX-INT8 %s, AVX-512 VNNI %s\n", amx ? "checked" : "not available",
+           vnni ? "checked" : "not available");
     for (size_t ki = 0; ki < sizeof Ks / sizeof Ks[0]; ki++)
         for (size_t oi = 0; oi < sizeof Os / sizeof Os[0]; oi++)
             for (size_t pi = 0; pi < sizeof Ps / sizeof Ps[0]; pi++)
@@ -758,6 +759,7 @@ static void check_gemm(void)
                     float *ws = galloc(sizeof(float) * O), *xs = galloc(sizeof(float) * 2 * P);
                     float *y = malloc(sizeof(float) * P * O), *ya = malloc(sizeof(float) * P * O);
                     int8_t *packed = malloc((size_t)2 * coli_gemm_packed_bytes(P, K));
+                    int32_t *sums = malloc(sizeof(int32_t) * 2 * P);
                     for (size_t i = 0; i < wl; i++)
                         w[i] = (uint8_t)(rnd() & 0xFF);
                     fill_q(q, ql, FILL_RANDOM);
@@ -767,8 +769,8 @@ static void check_gemm(void)
                         xs[i] = 1e-3f + (float)(rnd() % 1000) * 1e-4f;
                     memcpy(wi, w, wl);
                     coli_ilv_pack_inplace(wi, O, rb, tmp);
-                    coli_gemm_pack(q, P, K, packed);
-                    coli_gemm_pack(q + (long)P * K, P, K, packed + coli_gemm_packed_bytes(P, K));
+                    coli_gemm_pack(q, P, K, packed, sums);
+                    coli_gemm_pack(q + (long)P * K, P, K, packed + coli_gemm_packed_bytes(P, K), sums + P);
                     for (int ilv = 0; ilv < 2; ilv++)
                         for (int idot2 = 0; idot2 < 2; idot2++) {
                             const uint8_t *wv = ilv ? wi : w;
@@ -785,19 +787,23 @@ static void check_gemm(void)
                                     CHECK(same_bits(y[p * O + r], t * ws[r]), "gemm scalar %s K=%d O=%d P=%d ilv=%d "
                                           "idot2=%d p=%d r=%d", i4 ? "i4" : "i8", K, O, P, ilv, idot2, p, r);
                                 }
-                            if (!amx)
-                                continue;
-                            for (int o0 = 0; o0 < O; o0 += COLI_GEMM_COLS) {
-                                int nw = O - o0 < COLI_GEMM_COLS ? O - o0 : COLI_GEMM_COLS;
-                                CHECK(coli_gemm_rows(wv, rb, O, ilv, i4, o0, nw, ws, packed, P, K, xs, idot2, ya, O) == 0,
-                                      "gemm amx failed K=%d O=%d", K, O);
+                            for (int use_amx = 0; use_amx < 2; use_amx++) {
+                                if (!(use_amx ? amx : vnni))
+                                    continue;
+                                coli_amx_select(use_amx);
+                                for (int o0 = 0; o0 < O; o0 += COLI_GEMM_COLS) {
+                                    int nw = O - o0 < COLI_GEMM_COLS ? O - o0 : COLI_GEMM_COLS;
+                                    CHECK(coli_gemm_rows(wv, rb, O, ilv, i4, o0, nw, ws, packed, sums, P, K, xs, idot2,
+                                                         ya, O) == 0, "gemm failed K=%d O=%d", K, O);
+                                }
+                                CHECK(memcmp(y, ya, sizeof(float) * P * O) == 0,
+                                      "gemm %s %s K=%d O=%d P=%d ilv=%d idot2=%d", use_amx ? "amx" : "vnni",
+                                      i4 ? "i4" : "i8", K, O, P, ilv, idot2);
                             }
-                            CHECK(memcmp(y, ya, sizeof(float) * P * O) == 0, "gemm amx %s K=%d O=%d P=%d ilv=%d idot2=%d",
-                                  i4 ? "i4" : "i8", K, O, P, ilv, idot2);
                         }
                     gfree(w, wl); gfree(wi, wl); gfree(q, ql); gfree(ws, sizeof(float) * O);
                     gfree(xs, sizeof(float) * 2 * P);
-                    free(tmp); free(y); free(ya); free(packed);
+                    free(tmp); free(y); free(ya); free(packed); free(sums);
                 }
 }
 
