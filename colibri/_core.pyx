@@ -477,6 +477,13 @@ cdef bint GEMM = os.environ.get("COLIBRI_GEMM", "1") != "0"
 coli_amx_select(os.environ.get("COLIBRI_AMX", "1") != "0")
 
 
+def gemm_scratch_bytes(int S, int K, int nt):
+    """Bytes the batch GEMMs hold for a matmul of S rows of width K on nt threads: the packed rows
+    (q1 and q2) and their sums for the calling thread, a weight panel per thread (coli_gemm.h's
+    thread-local scratch, grown to the largest matmul and kept)."""
+    return int(2 * coli_gemm_packed_bytes(S, K) + 8 * <long>S + nt * 2 * 1024 * ((K + 63) // 64))
+
+
 def amx_supported():
     """Whether this CPU and OS let colibri use AMX-INT8 tiles."""
     return bool(coli_amx_supported())

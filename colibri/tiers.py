@@ -67,8 +67,8 @@ def work_bytes_estimate(model, ctx: int) -> int:
     """Scratch of forwards in a context of ctx positions: the engine's Work buffers for a prompt
     as long as the context (``_core.work_bytes``, the formula Work allocates by), the forward's
     residual rows and their copy (2 x [ctx, D]), a verify batch's logits and the fused FFN
-    group's buffers, and the huge pages the expert buffers are being carved from
-    (``_core.BUFFER_SLACK_BYTES``). ``model`` needs ``cfg`` and ``has_dsa``."""
+    group's buffers, the batch GEMMs' packed rows and weight panels (``_core.gemm_scratch_bytes``),
+    and the huge pages the expert buffers are being carved from (``_core.BUFFER_SLACK_BYTES``). ``model`` needs ``cfg`` and ``has_dsa``."""
     from . import _core
     c = model.cfg
     ctx = max(int(ctx), 1)
@@ -83,7 +83,10 @@ def work_bytes_estimate(model, ctx: int) -> int:
     # int4 matmuls' split activations (Model._split_scratch): a chunk of the widest rows
     widest = max(2 * c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter)
     split = 2 * max(_core.chunk_rows(ctx) * _core.split_len(widest), kvb_rows * _core.split_len(c.kv_lora))
-    return int(work + 4 * floats + ffn + split + _core.BUFFER_SLACK_BYTES)
+    nt = max(_core.max_threads(), 1)
+    gemm = max(_core.gemm_scratch_bytes(_core.chunk_rows(ctx), widest, nt),
+               _core.gemm_scratch_bytes(kvb_rows, c.kv_lora, nt))
+    return int(work + 4 * floats + ffn + split + gemm + _core.BUFFER_SLACK_BYTES)
 
 
 def current_rss_bytes() -> int:

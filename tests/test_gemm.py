@@ -117,3 +117,18 @@ def test_colibri_amx_0_turns_the_path_off_at_import():
     assert p.returncode == 0, p.stderr
     active, supported = p.stdout.split()
     assert active == "False" and supported in ("True", "False")
+
+
+def test_the_ram_plan_counts_the_gemm_scratch():
+    from types import SimpleNamespace
+    from colibri import tiers
+    # 17 rows of 65 inputs: 2 blocks of 16 rows x 2 chunks of 64 inputs, 1 KiB each, for q1 and q2; the
+    # rows' sums; a 2-chunk panel of two 1-KiB tiles per thread
+    assert _core.gemm_scratch_bytes(17, 65, 2) == 2 * 2 * 2 * 1024 + 8 * 17 + 2 * 2 * 1024 * 2
+    m = model_init(DEFAULT_MODEL_DIR)
+    c = m.cfg
+    inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)
+    widest = max(2 * c.hidden, c.q_lora, c.kv_lora, c.n_heads * c.v_head, inter)
+    ctx = 1000
+    est = tiers.work_bytes_estimate(SimpleNamespace(cfg=c, has_dsa=True), ctx)
+    assert est >= _core.gemm_scratch_bytes(_core.chunk_rows(ctx), widest, _core.max_threads())
