@@ -2221,9 +2221,11 @@ cdef class Model:
         cdef float scale = c.attn_scale
         cdef QTc *kv_b = &L.kv_b.c
         cdef int nta = 1 if <double>S * H * T * (Lkv + dr) < PARALLEL_MIN_MACS else coli_max_threads()
+        # (row, head) items dynamically: a causal row attends to as many keys as its position, so
+        # equal halves of the rows would leave the first thread a third of the second one's work
         if absorbed:
             with nogil:
-                for s in prange(S * H, schedule='static', num_threads=nta):
+                for s in prange(S * H, schedule='dynamic', num_threads=nta):
                     attend_absorbed(kv_b, &q[s // H, 0], &Lc[0, 0], &Rc[0, 0],
                                     sel + (s // H) * topk if sparse else NULL,
                                     nsel[s // H] if sparse else 0, k0,
@@ -2235,7 +2237,7 @@ cdef class Model:
                 raise EngineError("expanded attention scratch too small")
             self._mm(L.kv_b, &Lc[kvb_from, 0], T - kvb_from, &kvb[kvb_from, 0], ws)
             with nogil:
-                for s in prange(S * H, schedule='static', num_threads=nta):
+                for s in prange(S * H, schedule='dynamic', num_threads=nta):
                     attend_expanded(&q[s // H, 0], &kvb[0, 0], &Rc[0, 0],
                                     sel + (s // H) * topk if sparse else NULL,
                                     nsel[s // H] if sparse else 0, k0,
