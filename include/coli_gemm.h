@@ -18,14 +18,19 @@
  * "VNNI" layout, byte kk*64 + n*4 + i = weight row n's input 4*kk + i of the 64-input chunk, so
  * C [activation row, weight row] comes out in the order of y's rows:
  *
- *   coli_gemm_pack(q, P, K, out)  rows p < P of q (row p at q + p*K) as A tiles: ceil(P/16)
+ *   coli_gemm_pack(q, P, K, out, sums)  rows p < P of q (row p at q + p*K) as A tiles: ceil(P/16)
  *       blocks of ceil(K/64) chunks of 16 rows x 64 bytes (block b, chunk c at out + (b*nkc + c)*1024),
- *       zeros past input K-1 and row P-1, so the tiles need no tail code;
+ *       zeros past input K-1 and row P-1, so the tiles need no tail code (and, if sums, each row's sum);
  *   coli_gemm_rows_amx(...)  the weight rows o0 .. o0+nw-1 (nw <= 32) against every packed row:
  *       their chunks decoded once into a panel [nkc][2][1024] (two B tiles a chunk), then for
  *       each pair of activation blocks (q1 and q2 of the same 16 rows with idot=2; two consecutive
  *       blocks of q1 without) four TDPBSSD per chunk (2 activation tiles x 2 weight tiles), C
  *       stored, scaled row by row and written to y.
+ *
+ * The AVX-512 VNNI variant (coli_gemm_rows_vnni, where AMX is off or absent) reads the same
+ * packed rows and the same panel with unsigned weights (int4 u, int8 w + 128): one vpdpbusd per
+ * 4 inputs, activation row and 16 weight rows, the bias taken off with the rows' sums.
+ * coli_gemm_rows picks the variant.
  *
  * AMX needs the CPU (CPUID.7.0:EDX bits 24, 25), the OS saving the tile state (XCR0 bits 17, 18)
  * and, on Linux, the process's permission for the tile data (arch_prctl ARCH_REQ_XCOMP_PERM);
@@ -217,10 +222,25 @@ COLI_AVX512 static inline void coli_gemm_panel(const uint8_t *w, long rb, long O
         }
 }
 
+/* One output row piece: ((0 + s1*(float)d1) [+ (0 + s2*(float)d2)]) * wv for 16 weight rows, stored
+ * under mask k: each lane the scalar definition's operations in its order (the asm keeps the
+ * products from contracting into FMAs, as coli_block_acc does). two = 0: idot 1 (d2, s2 unused). */
+COLI_AVX512 static inline void coli_gemm_out16(__m512i d1, __m512i d2, int two, float s1, float s2, __m512 wv,
+                                               __mmask16 k, float *dst)
+{
+    __m512 p1 = _mm512_mul_ps(_mm512_set1_ps(s1), _mm512_cvtepi32_ps(d1));
+    __asm__("" : "+v"(p1));
+    __m512 t = _mm512_add_ps(_mm512_setzero_ps(), p1);
+    if (two) {
+        __m512 p2 = _mm512_mul_ps(_mm512_set1_ps(s2), _mm512_cvtepi32_ps(d2));
+        __asm__("" : "+v"(p2));
+        t = _mm512_add_ps(t, _mm512_add_ps(_mm512_setzero_ps(), p2));
+    }
+    _mm512_mask_storeu_ps(dst, k, _mm512_mul_ps(t, wv));
+}
+
 /* C tiles [16 activation rows, 16 weight rows] into y: activation rows p0 + m, weight rows o0 + n0 + n;
- * with idot=2, C2 holds the residual rows' dots (scales xs2). A row of C at a time, each lane the
- * scalar definition's operations in its order (the asm keeps the products from contracting into
- * FMAs, as coli_block_acc does). */
+ * with idot=2, C2 holds the residual rows' dots (scales xs2). A row of C at a time. */
 COLI_AVX512 static inline void coli_gemm_store(const int32_t *C1, const int32_t *C2, int n0, int nw, int p0, int P,
                                             const float *xs1, const float *xs2, const float *ws, int o0, float *y,
                                             long ldy)
@@ -230,16 +250,9 @@ COLI_AVX512 static inline void coli_gemm_store(const int32_t *C1, const int32_t 
     __m512 wv = _mm512_maskz_loadu_ps(k, ws + o0 + n0);
     for (int m = 0; m < 16 && p0 + m < P; m++) {
         int p = p0 + m;
-        __m512 p1 = _mm512_mul_ps(_mm512_set1_ps(xs1[p]), _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(C1 + m * 16))));
-        __asm__("" : "+v"(p1));
-        __m512 t = _mm512_add_ps(_mm512_setzero_ps(), p1);
-        if (C2) {
-            __m512 p2 = _mm512_mul_ps(_mm512_set1_ps(xs2[p]),
-                                      _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(C2 + m * 16))));
-            __asm__("" : "+v"(p2));
-            t = _mm512_add_ps(t, _mm512_add_ps(_mm512_setzero_ps(), p2));
-        }
-        _mm512_mask_storeu_ps(y + (long)p * ldy + o0 + n0, k, _mm512_mul_ps(t, wv));
+        __m512i d1 = _mm512_load_si512((const void *)(C1 + m * 16));
+        __m512i d2 = C2 ? _mm512_load_si512((const void *)(C2 + m * 16)) : d1;
+        coli_gemm_out16(d1, d2, C2 != NULL, xs1[p], C2 ? xs2[p] : 0.0f, wv, k, y + (long)p * ldy + o0 + n0);
     }
 }
 
@@ -297,17 +310,11 @@ COLI_AVX512 static inline int coli_gemm_rows_vnni(const uint8_t *w, long rb, lon
                 if (!k)
                     continue;
                 __m512i d1 = _mm512_sub_epi32(acc[i][t], _mm512_mullo_epi32(bias, _mm512_set1_epi32(sums[p])));
-                __m512 p1 = _mm512_mul_ps(_mm512_set1_ps(xs[p]), _mm512_cvtepi32_ps(d1));
-                __asm__("" : "+v"(p1));
-                __m512 v = _mm512_add_ps(_mm512_setzero_ps(), p1);
-                if (idot2) {
-                    __m512i d2 = _mm512_sub_epi32(acc[4 + i][t],
-                                                  _mm512_mullo_epi32(bias, _mm512_set1_epi32(sums[P + p])));
-                    __m512 p2 = _mm512_mul_ps(_mm512_set1_ps(xs[P + p]), _mm512_cvtepi32_ps(d2));
-                    __asm__("" : "+v"(p2));
-                    v = _mm512_add_ps(v, _mm512_add_ps(_mm512_setzero_ps(), p2));
-                }
-                _mm512_mask_storeu_ps(y + (long)p * ldy + o0 + 16 * t, k, _mm512_mul_ps(v, t ? w1 : w0));
+                __m512i d2 = idot2 ? _mm512_sub_epi32(acc[4 + i][t],
+                                                      _mm512_mullo_epi32(bias, _mm512_set1_epi32(sums[P + p])))
+                                   : d1;
+                coli_gemm_out16(d1, d2, idot2, xs[p], idot2 ? xs[P + p] : 0.0f, t ? w1 : w0, k,
+                                y + (long)p * ldy + o0 + 16 * t);
             }
         }
     }
