@@ -63,6 +63,10 @@ cdef extern from "coli_kernels.h" nogil:
                             int nrows)
     void coli_dots_f32(const float *x, int n, const float *base, long stride, const int *idx, int nrows,
                        float *out)
+    void coli_dots_f32_multi(const float *x, long xstride, int nq, int n, const float *base, long stride,
+                             int nrows, float *out, long ostride)
+    void coli_axpy_rows_f32_multi(float *y, long ystride, int nq, int n, const float *c, long cstride,
+                                  const float *x, long stride, int nrows)
     void coli_dots_q8f32(const float *x, int n, const int8_t *w, long rb, int nrows, float *out)
     void coli_dots_q4f32(const float *x, int n, const uint8_t *w, long rb, int nrows, float *out)
     void coli_axpy_rows_q8f32(float *y, int n, const float *c, const int8_t *w, long rb, int nrows)
@@ -479,9 +483,10 @@ coli_amx_select(os.environ.get("COLIBRI_AMX", "1") != "0")
 
 def gemm_scratch_bytes(int S, int K, int nt):
     """Bytes the batch GEMMs hold for a matmul of S rows of width K on nt threads: the packed rows
-    (q1 and q2) and their sums for the calling thread, a weight panel per thread (coli_gemm.h's
-    thread-local scratch, grown to the largest matmul and kept)."""
-    return int(2 * coli_gemm_packed_bytes(S, K) + 8 * <long>S + nt * 2 * 1024 * ((K + 63) // 64))
+    (q1 and q2) and their sums for the calling thread, a weight panel and a residual row (quant_rows
+    on all threads) per thread (coli_gemm.h's thread-local scratch, grown to the largest matmul and
+    kept)."""
+    return int(2 * coli_gemm_packed_bytes(S, K) + 8 * <long>S + nt * (2 * 1024 * ((K + 63) // 64) + 4 * K))
 
 
 def amx_supported():
@@ -768,17 +773,42 @@ cdef inline void quant_row(const float *x, int n, int blk, int idot, int8_t *q1,
             coli_block_sums(q2, n, blk, m2)
 
 
-cdef inline void quant_rows(const float *x, int S, int I, int blk, int nb, int idot, int8_t *xq, float *xs,
-                            float *xr, int32_t *xsum) noexcept nogil:
-    """The integer matmuls' input: quant_row of each of the S rows of x [S, I] into xq [2·S·I]
-    (first the S Q8 rows, then their S residual rows), xs / xsum [2·S·nb] the same way."""
-    cdef int s
+cdef enum:
+    QUANT_PARALLEL_MIN = 16384      # elements from which a matmul input is quantized (an FFN hidden
+                                    # gated) on all threads
+
+
+cdef inline void quant_row_at(const float *x, int S, int I, int blk, int nb, int idot, int8_t *xq, float *xs,
+                              float *xr, int32_t *xsum, int s) noexcept nogil:
+    """Row s of quant_rows (its Q8 row, then its residual's at S + s)."""
     cdef Py_ssize_t off2 = <Py_ssize_t>S * I
+    quant_row(x + <Py_ssize_t>s * I, I, blk, idot, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb,
+              xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb, xr,
+              xsum + <Py_ssize_t>s * nb if xsum != NULL else NULL,
+              xsum + <Py_ssize_t>(S + s) * nb if xsum != NULL else NULL)
+
+
+cdef inline void quant_rows(const float *x, int S, int I, int blk, int nb, int idot, int8_t *xq, float *xs,
+                            float *xr, int32_t *xsum, int nt=1) noexcept nogil:
+    """The integer matmuls' input: quant_row of each of the S rows of x [S, I] into xq [2·S·I]
+    (first the S Q8 rows, then their S residual rows), xs / xsum [2·S·nb] the same way. nt > 1:
+    on up to nt threads when the rows are many (not from inside a parallel region)."""
+    cdef int s
+    if <double>S * I < QUANT_PARALLEL_MIN:
+        nt = 1
+    cdef int short = 0
+    cdef float *xt
+    if nt > 1:      # rows on their own: any split gives the same bytes; a worker's residual row
+        for s in prange(S, schedule='static', nogil=True, num_threads=nt):   # is its own scratch
+            xt = <float *>coli_gemm_scratch(2, <long>I * sizeof(float)) if idot == IDOT_Q8X2 else xr
+            if xt == NULL:
+                short += 1              # no scratch for this thread: all rows again, serially
+            else:
+                quant_row_at(x, S, I, blk, nb, idot, xq, xs, xt, xsum, s)
+        if short == 0:
+            return
     for s in range(S):
-        quant_row(x + <Py_ssize_t>s * I, I, blk, idot, xq + <Py_ssize_t>s * I, xs + <Py_ssize_t>s * nb,
-                  xq + off2 + <Py_ssize_t>s * I, xs + <Py_ssize_t>(S + s) * nb, xr,
-                  xsum + <Py_ssize_t>s * nb if xsum != NULL else NULL,
-                  xsum + <Py_ssize_t>(S + s) * nb if xsum != NULL else NULL)
+        quant_row_at(x, S, I, blk, nb, idot, xq, xs, xr, xsum, s)
 
 
 cdef inline bint gemm_ok(const QTc *W, int S, int nb, int idot) noexcept nogil:
@@ -792,6 +822,10 @@ cdef inline bint gemm_ok(const QTc *W, int S, int nb, int idot) noexcept nogil:
 
 cdef inline int gemm_items(int O) noexcept nogil:
     return (O + COLI_GEMM_COLS - 1) // COLI_GEMM_COLS
+
+
+cdef enum:
+    GEMM_PACK_PARALLEL_ROWS = 64    # a GEMM's activation rows packed on all threads from here
 
 
 cdef bint gemm_matmuls(const QTc **Ws, float **ys, int nW, int S, const int8_t *xq, const float *xs,
@@ -810,9 +844,15 @@ cdef bint gemm_matmuls(const QTc **Ws, float **ys, int nW, int S, const int8_t *
     if packed == NULL:
         return False
     cdef int32_t *sums = <int32_t *>(packed + 2 * half)     # [2·S] the packed rows' sums
-    coli_gemm_pack(xq, S, K, packed, sums)
-    if two:
-        coli_gemm_pack(xq + <Py_ssize_t>S * K, S, K, packed + half, sums + S)
+    cdef int nblk = (S + 15) // 16, b, h
+    cdef long bb = coli_gemm_packed_bytes(16, K)            # one block of 16 rows
+    # each 16-row block of the packed layout on its own (a block of the whole is the pack of its rows)
+    for it in prange(nblk * (2 if two else 1), schedule='static', nogil=True,
+                     num_threads=nt if S >= GEMM_PACK_PARALLEL_ROWS else 1):
+        b = it % nblk
+        h = it // nblk
+        coli_gemm_pack(xq + <Py_ssize_t>h * S * K + <Py_ssize_t>16 * b * K, min(16, S - 16 * b), K,
+                       packed + h * half + b * bb, sums + h * S + 16 * b)
     for k in range(nW):
         starts[k] = total
         total += gemm_items(Ws[k].O)
@@ -849,7 +889,7 @@ cdef void matmul_qt(const QTc *W, const float *x, int S, float *y,
     if (W.fmt == FMT_I8 or W.fmt == FMT_I4) and idot != IDOT_FLOAT:
         nb = act_nblocks(I, block)
         blk = I if nb == 1 else block
-        quant_rows(x, S, I, blk, nb, idot, xq, xs, xr, xsum)
+        quant_rows(x, S, I, blk, nb, idot, xq, xs, xr, xsum, nt)
         if gemm_ok(W, S, nb, idot) and gemm_matmuls(&W, &y, 1, S, xq, xs, idot, nt):
             return
         gstride = coli_split_len(I)
@@ -885,7 +925,7 @@ cdef void matmul_many(const QTc **Ws, float **ys, int nW, const float *x, int S,
     cdef int nt = 1 if macs < PARALLEL_MIN_MACS else coli_max_threads()
     cdef Py_ssize_t gstride = coli_split_len(I)
     cdef bint split = False, gemm = True
-    quant_rows(x, S, I, blk, nb, idot, xq, xs, xr, xsum)
+    quant_rows(x, S, I, blk, nb, idot, xq, xs, xr, xsum, nt)
     for k in range(nW):
         gemm = gemm and gemm_ok(Ws[k], S, nb, idot)
     if gemm and gemm_matmuls(Ws, ys, nW, S, xq, xs, idot, nt):
@@ -1577,7 +1617,9 @@ def work_shapes(c, int S, int T, bint dsa, int kvb_rows, int nt, int chunk=0):
         "ckv": ((C, c.kv_lora + c.qk_rope), f4), "ctx": ((C, c.n_heads * c.v_head), f4),
         "g": ((C * inter,), f4), "u": ((C * inter,), f4),     # flat: [C, width of the MLP at hand]
         "kvb": ((max(kvb_rows, 1), c.n_heads * (c.qk_nope + c.v_head)), f4),
-        "tbuf": ((nt, 2 * c.kv_lora + max(2 * T, c.qk_nope)), f4),
+        # per thread: absorbed attention's two latents + one row's scores, or expanded attention's
+        # scores of a block of EXPANDED_ROWS rows
+        "tbuf": ((nt, 2 * c.kv_lora + max(2 * T * (EXPANDED_ROWS if kvb_rows > 0 else 1), c.qk_nope)), f4),
         "xq": ((2 * act,), np.int8), "xs": ((2 * act_blocks,), f4), "xm": ((2 * act_blocks,), i4),
         "xr": ((widest,), f4),
     }
@@ -2176,7 +2218,7 @@ cdef class Model:
             raise EngineError(f"attention of {S} rows exceeds the scratch's chunk of {ws.C} rows")
         cdef int H = c.n_heads, dn = c.qk_nope, dr = c.qk_rope, dv = c.v_head, dq = c.qk_head
         cdef int Lq = c.q_lora, Lkv = c.kv_lora, T = pos_base + S
-        cdef int s, h, pos
+        cdef int s, h, pos, nblk
         cdef float eps = LORA_NORM_EPS
         cdef float[:, ::1] qr = ws.qr, q = ws.q, ctx = ws.ctx
         cdef float[:, ::1] Lc = self.Lc[L.index], Rc = self.Rc[L.index]
@@ -2236,13 +2278,17 @@ cdef class Model:
             if kvb.shape[0] < T or not 0 <= kvb_from < T:
                 raise EngineError("expanded attention scratch too small")
             self._mm(L.kv_b, &Lc[kvb_from, 0], T - kvb_from, &kvb[kvb_from, 0], ws)
+            if tbuf.shape[1] < 2 * Lkv + 2 * T * EXPANDED_ROWS:
+                raise EngineError("expanded attention's per-thread scratch too small")
+            nblk = (S + EXPANDED_ROWS - 1) // EXPANDED_ROWS
+            # items: (head, block of EXPANDED_ROWS rows), head-major, so that a thread's next item
+            # reads the same head's keys (from L2) and a block reads each key once (from L1)
             with nogil:
-                for s in prange(S * H, schedule='dynamic', num_threads=nta):
-                    attend_expanded(&q[s // H, 0], &kvb[0, 0], &Rc[0, 0],
-                                    sel + (s // H) * topk if sparse else NULL,
-                                    nsel[s // H] if sparse else 0, k0,
-                                    pos_base + s // H, s % H, H, dn, dr, dv, scale,
-                                    &tbuf[threadid(), 0], &ctx[s // H, 0])
+                for s in prange(nblk * H, schedule='dynamic', num_threads=nta):
+                    attend_expanded_rows(&q[0, 0], &kvb[0, 0], &Rc[0, 0], sel, nsel, topk,
+                                         (s % nblk) * EXPANDED_ROWS, min(S, (s % nblk + 1) * EXPANDED_ROWS),
+                                         k0, pos_base, s // nblk, H, dn, dr, dv, scale,
+                                         &tbuf[threadid(), 0], &ctx[0, 0])
         self._mm(L.o_proj, &ctx[0, 0], S, &out[0, 0], ws)
 
     def _input_group(self, Layer L, bint sparse):
@@ -2526,8 +2572,9 @@ cdef class Model:
             raise EngineError("MLP scratch too small")
         self._mm(gate, x, S, g, ws)
         self._mm(up, x, S, u, ws)
+        cdef int nt = 1 if <double>S * I < QUANT_PARALLEL_MIN else coli_max_threads()
         with nogil:
-            for r in range(S * I):
+            for r in prange(S * I, schedule='static', num_threads=nt):
                 g[r] = silu(g[r]) * u[r]
         self._mm(down, g, S, out, ws)
         return 0
@@ -3555,6 +3602,58 @@ cdef void attend_expanded(const float *q, const float *kvb, const float *Rc, con
     for i in range(dv):
         o[i] = 0.0
     coli_axpy_rows_f32(o, dv, sc, kh + dn, W, keys, nk)    # o = Σ_j p_j v_j
+
+
+cdef enum:
+    EXPANDED_ROWS = 4       # query rows of one head that expanded attention takes together
+
+
+cdef void attend_expanded_rows(const float *q, const float *kvb, const float *Rc, const int *sel,
+                               const int *nsel, int topk, int s0, int s1, int k0, int pos_base, int h,
+                               int H, int dn, int dr, int dv, float scale, float *tbuf,
+                               float *ctx) noexcept nogil:
+    """Head h of expanded attention for rows s0..s1-1 (q [S, H·(dn+dr)], ctx [S, H·dv], at positions
+    pos_base + s), each bit-identical to attend_expanded. Causal rows (no DSA selection) go
+    together: their common keys k0..pos_base+s0 through the multi-query kernels (one read of each
+    key row for the block), row s's later keys through the one-row ones; every score and every
+    output element sees the same operations in the same order as a row alone."""
+    cdef int dq = dn + dr, W = H * (dn + dv), nb = s1 - s0, r, j, i, nk
+    cdef int nk0 = pos_base + s0 + 1 - k0                     # keys every row of the block sees
+    cdef Py_ssize_t ts = 2 * (nk0 + nb - 1)                   # tbuf floats per row: scores, rope part
+    cdef const float *qh = q + <Py_ssize_t>s0 * H * dq + <Py_ssize_t>h * dq    # [nb, H·dq] row stride
+    cdef const float *kh = kvb + h * (dn + dv) + <Py_ssize_t>k0 * W            # head h's key k0
+    cdef const float *rh = Rc + <Py_ssize_t>k0 * dr
+    cdef float *o = ctx + <Py_ssize_t>s0 * H * dv + <Py_ssize_t>h * dv         # [nb, H·dv] row stride
+    cdef float *sc
+    if nsel != NULL:
+        for r in range(nb):
+            if nsel[s0 + r] > 0:              # a DSA selection: every row on its own
+                for r in range(nb):
+                    attend_expanded(q + <Py_ssize_t>(s0 + r) * H * dq, kvb, Rc, sel + <Py_ssize_t>(s0 + r) * topk,
+                                    nsel[s0 + r], k0, pos_base + s0 + r, h, H, dn, dr, dv, scale, tbuf,
+                                    ctx + <Py_ssize_t>(s0 + r) * H * dv)
+                return
+    # scores of row r: tbuf[r·ts + j] (q_nope·k_nope), tbuf[r·ts + ts/2 + j] (q_rope·k_rope)
+    coli_dots_f32_multi(qh, H * dq, nb, dn, kh, W, nk0, tbuf, ts)
+    coli_dots_f32_multi(qh + dn, H * dq, nb, dr, rh, dr, nk0, tbuf + ts // 2, ts)
+    for r in range(1, nb):
+        coli_dots_f32(qh + <Py_ssize_t>r * H * dq, dn, kh + <Py_ssize_t>nk0 * W, W, NULL, r,
+                      tbuf + r * ts + nk0)
+        coli_dots_f32(qh + <Py_ssize_t>r * H * dq + dn, dr, rh + <Py_ssize_t>nk0 * dr, dr, NULL, r,
+                      tbuf + r * ts + ts // 2 + nk0)
+    for r in range(nb):
+        sc = tbuf + r * ts
+        nk = nk0 + r
+        for j in range(nk):
+            sc[j] = (sc[j] + sc[ts // 2 + j]) * scale
+        softmax_inplace(sc, nk)
+        for i in range(dv):
+            o[<Py_ssize_t>r * H * dv + i] = 0.0
+    # o_r = Σ_j p_rj v_j: the common keys for the block, then row r's own later keys
+    coli_axpy_rows_f32_multi(o, H * dv, nb, dv, tbuf, ts, kh + dn, W, nk0)
+    for r in range(1, nb):
+        coli_axpy_rows_f32(o + <Py_ssize_t>r * H * dv, dv, tbuf + r * ts + nk0, kh + dn + <Py_ssize_t>nk0 * W,
+                           W, NULL, r)
 
 
 cdef void attend_absorbed(const QTc *kv_b, const float *q, const float *Lc, const float *Rc,

@@ -43,14 +43,16 @@ static inline float coli_dot_q4f32_scalar(const uint8_t *wp, const float *x, int
 
 /* Many rows against one vector, out[r] = coli_dot_*(row_r, x): each row exactly the one-row
  * kernel of the same ISA (inlined here, so without a dispatch per row). f32 rows are
- * base + (idx ? idx[r] : r) * stride (floats); int8 / int4 rows are consecutive, rb bytes apart. */
-#define COLI_DOTS_BY_ROW(sfx, ATTR)                                                                \
+ * base + (idx ? idx[r] : r) * stride (floats); int8 / int4 rows are consecutive, rb bytes apart.
+ * (AVX-512's f32 form, below, sums 16 rows' partial sums at once in the same tree.) */
+#define COLI_DOTS_F32_BY_ROW(sfx, ATTR)                                                            \
     ATTR static inline void coli_dots_f32_##sfx(const float *x, int n, const float *base, long stride, \
                                                 const int *idx, int nrows, float *out)             \
     {                                                                                              \
         for (int r = 0; r < nrows; r++)                                                            \
             out[r] = coli_dot_f32_##sfx(x, base + (idx ? idx[r] : r) * stride, n);                 \
-    }                                                                                              \
+    }
+#define COLI_DOTS_Q_BY_ROW(sfx, ATTR)                                                              \
     ATTR static inline void coli_dots_q8f32_##sfx(const float *x, int n, const int8_t *w, long rb,  \
                                                   int nrows, float *out)                           \
     {                                                                                              \
@@ -63,7 +65,22 @@ static inline float coli_dot_q4f32_scalar(const uint8_t *wp, const float *x, int
         for (int r = 0; r < nrows; r++)                                                            \
             out[r] = coli_dot_q4f32_##sfx(w + r * rb, x, n);                                       \
     }
+#define COLI_DOTS_BY_ROW(sfx, ATTR) COLI_DOTS_F32_BY_ROW(sfx, ATTR) COLI_DOTS_Q_BY_ROW(sfx, ATTR)
 COLI_DOTS_BY_ROW(scalar, )
+
+/* Several query vectors against the same rows (attention: a block of query rows of one head over
+ * their common keys): out[q * ostride + r] = coli_dot_f32(x + q * xstride, base + r * stride) for
+ * q < nq, r < nrows, each the one-vector result bit for bit. Here one coli_dots_f32 per query; the
+ * AVX-512 form below keeps 16 rows in L1 for all the queries. */
+#define COLI_DOTS_MULTI_BY_QUERY(sfx, ATTR)                                                        \
+    ATTR static inline void coli_dots_f32_multi_##sfx(const float *x, long xstride, int nq, int n,  \
+                                                      const float *base, long stride, int nrows,   \
+                                                      float *out, long ostride)                    \
+    {                                                                                              \
+        for (int q = 0; q < nq; q++)                                                               \
+            coli_dots_f32_##sfx(x + q * xstride, n, base, stride, NULL, nrows, out + q * ostride); \
+    }
+COLI_DOTS_MULTI_BY_QUERY(scalar, )
 
 #if COLI_X86
 /* ========================================= AVX2 ========================================= */
@@ -171,10 +188,43 @@ COLI_AVX2 static inline float coli_dot_q4f32_avx2(const uint8_t *wp, const float
 }
 
 COLI_DOTS_BY_ROW(avx2, COLI_AVX2)
+COLI_DOTS_MULTI_BY_QUERY(avx2, COLI_AVX2)
 
 /* ======================================== AVX-512 ======================================== */
 
-COLI_AVX512 static inline float coli_dot_f32_avx512(const float *a, const float *b, int n)
+/* The horizontal sum of the 16 lanes in a fixed tree (the one GCC's _mm512_reduce_add_ps uses):
+ * t[i] = v[i] + v[i+8], u[i] = t[i] + t[i+4], then (u[0] + u[2]) + (u[1] + u[3]). Written out so
+ * that coli_hsum16x_avx512 below can take the same pairings for 16 vectors at once. */
+COLI_AVX512 static inline float coli_hsum_ps_avx512(__m512 v)
+{
+    __m256 t = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), _mm512_castps512_ps256(v));
+    __m128 u = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    __m128 w = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_add_ss(w, _mm_shuffle_ps(w, w, _MM_SHUFFLE(1, 1, 1, 1))));
+}
+
+/* Lane r of the result = coli_hsum_ps_avx512(v[r]) bit for bit, for 16 vectors in 4 rounds of
+ * 8 / 4 / 2 / 1 adds (transposing as it goes) instead of 16 separate trees. */
+COLI_AVX512 static inline __m512 coli_hsum16x_avx512(const __m512 v[16])
+{
+    __m512 x[8], y[4], z[2];
+    for (int k = 0; k < 8; k++)   /* lanes 0-7: v[2k]'s t, lanes 8-15: v[2k+1]'s t */
+        x[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int m = 0; m < 4; m++)   /* block b: v[4m+b]'s u */
+        y[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int m = 0; m < 2; m++)   /* block b: u[0]+u[2], u[1]+u[3] of v[8m+b], then of v[8m+4+b] */
+        z[m] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * m], y[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(y[2 * m], y[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane 4b + k: the sum of v[4k + b]; one permutation puts v[r]'s sum in lane r */
+    __m512 s = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s);
+}
+
+/* The 16 partial sums of a . b before the horizontal sum */
+COLI_AVX512 static COLI_ALWAYS_INLINE __m512 coli_dot_f32_vec_avx512(const float *a, const float *b, int n)
 {
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
     __m512 s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
@@ -191,7 +241,12 @@ COLI_AVX512 static inline float coli_dot_f32_avx512(const float *a, const float 
         __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
         s1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), s1);
     }
-    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+    return _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
+}
+
+COLI_AVX512 static inline float coli_dot_f32_avx512(const float *a, const float *b, int n)
+{
+    return coli_hsum_ps_avx512(coli_dot_f32_vec_avx512(a, b, n));
 }
 
 COLI_AVX512 static inline __m512 coli_i8x16_ps_avx512(__m128i v)
@@ -263,7 +318,38 @@ COLI_AVX512 static inline float coli_dot_q4f32_avx512(const uint8_t *wp, const f
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
 }
-COLI_DOTS_BY_ROW(avx512, COLI_AVX512)
+COLI_DOTS_Q_BY_ROW(avx512, COLI_AVX512)
+
+/* out[r] = coli_dot_f32_avx512(x, row_r): 16 rows' partial sums summed by one transposed tree */
+COLI_AVX512 static inline void coli_dots_f32_avx512(const float *x, int n, const float *base, long stride,
+                                                    const int *idx, int nrows, float *out)
+{
+    for (int r0 = 0; r0 < nrows; r0 += 16) {
+        int nr = nrows - r0 < 16 ? nrows - r0 : 16;
+        __m512 v[16];
+        for (int r = 0; r < 16; r++)
+            v[r] = r < nr ? coli_dot_f32_vec_avx512(x, base + (idx ? idx[r0 + r] : r0 + r) * stride, n)
+                          : _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(out + r0, (__mmask16)((1u << nr) - 1), coli_hsum16x_avx512(v));
+    }
+}
+
+/* coli_dots_f32_multi: for each block of 16 rows, every query's 16 dots (the rows stay in L1) */
+COLI_AVX512 static inline void coli_dots_f32_multi_avx512(const float *x, long xstride, int nq, int n,
+                                                          const float *base, long stride, int nrows,
+                                                          float *out, long ostride)
+{
+    for (int r0 = 0; r0 < nrows; r0 += 16) {
+        int nr = nrows - r0 < 16 ? nrows - r0 : 16;
+        for (int q = 0; q < nq; q++) {
+            __m512 v[16];
+            for (int r = 0; r < 16; r++)
+                v[r] = r < nr ? coli_dot_f32_vec_avx512(x + q * xstride, base + (r0 + r) * stride, n)
+                              : _mm512_setzero_ps();
+            _mm512_mask_storeu_ps(out + q * ostride + r0, (__mmask16)((1u << nr) - 1), coli_hsum16x_avx512(v));
+        }
+    }
+}
 #endif /* COLI_X86 */
 
 #endif /* COLI_DOT_F32_H */

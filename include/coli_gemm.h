@@ -90,12 +90,13 @@ static inline void coli_gemm_pack(const int8_t *q, int P, int K, int8_t *out, in
 }
 
 /* A buffer of at least n bytes (64-aligned) owned by the calling thread, grown as needed and kept
- * (slot 0: the packed activations of the caller, slot 1: a worker's weight panel). NULL when the
- * memory cannot be had. */
+ * (slot 0: the packed activations of the caller, slot 1: a worker's weight panel, slot 2: a
+ * worker's residual row when activation rows are quantized in parallel). NULL when the memory
+ * cannot be had. */
 static inline int8_t *coli_gemm_scratch(int slot, long n)
 {
-    static __thread int8_t *buf[2];
-    static __thread long cap[2];
+    static __thread int8_t *buf[3];
+    static __thread long cap[3];
     if (cap[slot] < n) {
         free(buf[slot]);
         long sz = (n + 63) / 64 * 64;

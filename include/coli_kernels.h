@@ -91,6 +91,10 @@ typedef struct coli_kernel_table {
                         int nrows, float *out);
     void (*dotsg_q4f32)(const float *x, int n, const uint8_t *w_packed, long rb, const float *ws, long wstride,
                         int gs, int nrows, float *out);
+    void (*dots_f32_multi)(const float *x, long xstride, int nq, int n, const float *base, long stride,
+                           int nrows, float *out, long ostride);
+    void (*axpy_rows_f32_multi)(float *y, long ystride, int nq, int n, const float *c, long cstride,
+                                const float *x, long stride, int nrows);
 } coli_kernel_table;
 
 #define COLI_KERNEL_TABLE(isa, sfx)                                                       \
@@ -103,7 +107,8 @@ typedef struct coli_kernel_table {
       coli_axpy_rows_q8f32_##sfx, coli_axpy_rows_q4f32_##sfx, coli_dots_f32_##sfx,            \
       coli_dots_q8f32_##sfx, coli_dots_q4f32_##sfx, coli_rowdotg_i8_##sfx, coli_rowdotg_i4_##sfx, \
       coli_rowdotg_i8_rows_##sfx, coli_rowdotg_i4_rows_##sfx, coli_rowdotg_i8_tile_##sfx,          \
-      coli_rowdotg_i4_tile_##sfx, coli_split_q8_##sfx, coli_dotsg_q8f32_##sfx, coli_dotsg_q4f32_##sfx }
+      coli_rowdotg_i4_tile_##sfx, coli_split_q8_##sfx, coli_dotsg_q8f32_##sfx, coli_dotsg_q4f32_##sfx, \
+      coli_dots_f32_multi_##sfx, coli_axpy_rows_f32_multi_##sfx }
 
 static const coli_kernel_table coli_kernels_by_isa[] = {
     COLI_KERNEL_TABLE(COLI_ISA_SCALAR, scalar),
@@ -280,6 +285,22 @@ static inline void coli_dots_f32(const float *x, int n, const float *base, long 
                                  int nrows, float *out)
 {
     coli_kt.dots_f32(x, n, base, stride, idx, nrows, out);
+}
+
+/* out[q * ostride + r] = coli_dot_f32(x + q * xstride, base + r * stride): several queries over the
+ * same rows, each bit-identical to its own coli_dots_f32 */
+static inline void coli_dots_f32_multi(const float *x, long xstride, int nq, int n, const float *base, long stride,
+                                       int nrows, float *out, long ostride)
+{
+    coli_kt.dots_f32_multi(x, xstride, nq, n, base, stride, nrows, out, ostride);
+}
+
+/* y_q += sum_r c[q * cstride + r] * (x + r * stride), y_q = y + q * ystride, for q < nq: each output
+ * bit-identical to its own coli_axpy_rows_f32 */
+static inline void coli_axpy_rows_f32_multi(float *y, long ystride, int nq, int n, const float *c, long cstride,
+                                            const float *x, long stride, int nrows)
+{
+    coli_kt.axpy_rows_f32_multi(y, ystride, nq, n, c, cstride, x, stride, nrows);
 }
 
 static inline void coli_dots_q8f32(const float *x, int n, const int8_t *w, long rb, int nrows, float *out)

@@ -123,8 +123,8 @@ def test_the_ram_plan_counts_the_gemm_scratch():
     from types import SimpleNamespace
     from colibri import tiers
     # 17 rows of 65 inputs: 2 blocks of 16 rows x 2 chunks of 64 inputs, 1 KiB each, for q1 and q2; the
-    # rows' sums; a 2-chunk panel of two 1-KiB tiles per thread
-    assert _core.gemm_scratch_bytes(17, 65, 2) == 2 * 2 * 2 * 1024 + 8 * 17 + 2 * 2 * 1024 * 2
+    # rows' sums; a 2-chunk panel of two 1-KiB tiles and a residual row of 65 floats per thread
+    assert _core.gemm_scratch_bytes(17, 65, 2) == 2 * 2 * 2 * 1024 + 8 * 17 + 2 * (2 * 2 * 1024 + 4 * 65)
     m = model_init(DEFAULT_MODEL_DIR)
     c = m.cfg
     inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)

@@ -103,3 +103,24 @@ def test_long_batch_holds_few_experts_at_once(tmp_path):
     assert union == m.cfg.n_experts > 2 * m.stream_group      # the batch needs every expert ...
     assert 0 < max(seen) <= 2 * m.stream_group                # ... but holds at most two groups
     assert 2 * _core.STREAM_GROUP <= EXTRA_CALL_EXPERTS
+
+
+@pytest.mark.parametrize("model", ["tiny_mtp", "int4"])
+def test_expanded_attention_blocks_are_bit_identical_to_rows(model, int4):
+    """Expanded attention takes EXPANDED_ROWS query rows of a head together (their common keys
+    through the multi-query kernels, each row's later keys alone): one forward of the prompt equals
+    forwards of pieces whose rows fall into other blocks, and rows one at a time (tiny_mtp: causal
+    keys; int4 of tiny_dsa past index_topk: DSA selections, each row on its own)."""
+    path = int4 if model == "int4" else DATA / model
+    ids = _prompt(70, 256)
+    whole = model_init(path, absorb=0)
+    whole.kv_alloc(len(ids) + 1)
+    ref = whole.step_all(ids, 0)
+    parts = model_init(path, absorb=0)
+    parts.kv_alloc(len(ids) + 1)
+    got, pos = [], 0
+    for n in [5, 7, 3, 1, 1, 30, 23]:
+        got.append(parts.step_all(ids[pos:pos + n], pos))
+        pos += n
+    assert pos == len(ids)
+    np.testing.assert_array_equal(np.concatenate(got), ref)

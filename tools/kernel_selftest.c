@@ -17,7 +17,10 @@
  *   - the group-scaled row dots (coli_rowdotg_*, groups of 64/128/256 with a partial last group,
  *     any activation block) must be bit-identical to the scalar variant, close to a double
  *     reference of their definition, and their multi-row form (R = 1..8) and their tile form
- *     (1..4 weight rows x 1..5 activation rows) to the one-row calls.
+ *     (1..4 weight rows x 1..5 activation rows) to the one-row calls;
+ *   - the float row kernels of attention (coli_dots_f32 over 16-row blocks, with an index, and the
+ *     multi-query coli_dots_f32_multi / coli_axpy_rows_f32_multi) must be bit-identical to the
+ *     one-row calls.
  * Every input buffer ends right before a PROT_NONE page, so a read past the end crashes (for the
  * strided rows: the last row's activations and scales end at the page).
  * Exit status 0 on success.
@@ -293,6 +296,63 @@ static void check_all(int isa, bufs *b)
         free(qr);
         free(sr);
     }
+}
+
+/* The float row kernels of attention on the active ISA: coli_dots_f32 (16-row transposed sums,
+ * with and without an index) and coli_dots_f32_multi must give coli_dot_f32 per (query, row) bit
+ * for bit; coli_axpy_rows_f32_multi each output's coli_axpy_rows_f32; none writes past its end. */
+static void check_float_rows(int isa)
+{
+    const int ns[] = {1, 7, 16, 31, 32, 33, 63, 64, 65, 96, 128, 129, 300};
+    const int nrs[] = {1, 2, 15, 16, 17, 33, 70};
+    enum { NQ = 5, NRMAX = 70, PAD = 8 };
+    for (size_t a = 0; a < sizeof ns / sizeof ns[0]; a++)
+        for (size_t b = 0; b < sizeof nrs / sizeof nrs[0]; b++) {
+            int n = ns[a], nr = nrs[b];
+            long stride = n + 5, xstride = n + 3, ostride = nr + PAD, ystride = n + PAD;
+            float *rows = malloc(sizeof(float) * (size_t)stride * NRMAX);
+            float *x = malloc(sizeof(float) * (size_t)xstride * NQ);
+            float *out = malloc(sizeof(float) * (size_t)ostride * NQ);
+            float *c = malloc(sizeof(float) * (size_t)ostride * NQ);
+            float *y = malloc(sizeof(float) * (size_t)ystride * NQ), *yr = malloc(sizeof(float) * (size_t)n);
+            int idx[NRMAX];
+            for (long i = 0; i < stride * NRMAX; i++) rows[i] = rndf();
+            for (long i = 0; i < xstride * NQ; i++) x[i] = rndf() * 2.0f;
+            for (long i = 0; i < ostride * NQ; i++) c[i] = rndf();
+            for (int r = 0; r < nr; r++) idx[r] = (int)(rnd() % NRMAX);
+            for (int nq = 1; nq <= NQ; nq++) {
+                for (long i = 0; i < ostride * NQ; i++) out[i] = -7.0f;
+                coli_dots_f32_multi(x, xstride, nq, n, rows, stride, nr, out, ostride);
+                for (int q = 0; q < NQ; q++)
+                    for (int r = 0; r < ostride; r++) {
+                        float got = out[q * ostride + r];
+                        if (q < nq && r < nr)
+                            CHECK(same_bits(got, coli_dot_f32(x + q * xstride, rows + r * stride, n)),
+                                  "dots_f32_multi isa=%d n=%d nr=%d nq=%d q=%d r=%d", isa, n, nr, nq, q, r);
+                        else
+                            CHECK(got == -7.0f, "dots_f32_multi wrote past isa=%d n=%d nr=%d", isa, n, nr);
+                    }
+                for (long i = 0; i < ystride * NQ; i++) y[i] = (float)(i % 13) * 0.25f;
+                coli_axpy_rows_f32_multi(y, ystride, nq, n, c, ostride, rows, stride, nr);
+                for (int q = 0; q < NQ; q++) {
+                    for (int i = 0; i < n; i++) yr[i] = (float)((q * ystride + i) % 13) * 0.25f;
+                    if (q < nq)
+                        coli_axpy_rows_f32_scalar(yr, n, c + q * ostride, rows, stride, NULL, nr);
+                    CHECK(memcmp(yr, y + q * ystride, sizeof(float) * (size_t)n) == 0,
+                          "axpy_rows_f32_multi isa=%d n=%d nr=%d nq=%d q=%d", isa, n, nr, nq, q);
+                    for (int i = n; i < ystride; i++)
+                        CHECK(y[q * ystride + i] == (float)((q * ystride + i) % 13) * 0.25f,
+                              "axpy_rows_f32_multi wrote past isa=%d n=%d", isa, n);
+                }
+            }
+            out[nr] = -7.0f;
+            coli_dots_f32(x, n, rows, stride, idx, nr, out);
+            for (int r = 0; r < nr; r++)
+                CHECK(same_bits(out[r], coli_dot_f32(x, rows + (long)idx[r] * stride, n)),
+                      "dots_f32 idx isa=%d n=%d nr=%d r=%d", isa, n, nr, r);
+            CHECK(out[nr] == -7.0f, "dots_f32 wrote past isa=%d n=%d nr=%d", isa, n, nr);
+            free(rows); free(x); free(out); free(c); free(y); free(yr);
+        }
 }
 
 /* Multi-activation row dots on the active ISA: up to MR strided activation rows. */
@@ -827,6 +887,7 @@ int main(int argc, char **argv)
         for (size_t k = 0; k < sizeof big / sizeof big[0]; k++)
             run_size(isa, big[k], big[k] == 65536 ? 3 : 5);
         run_i4_limit(isa);
+        check_float_rows(isa);
         printf("%-11s %s  (%ld checks; n = 1..300 + %d larger sizes up to 65536, int4 also 2^20;\n"
                "                  rowdot2, rows with R = 1..8 and group-scaled rows included)\n",
                coli_isa_name(isa), g_fail == before ? "ok  " : "FAIL", g_checks - checks0,
