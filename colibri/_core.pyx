@@ -1686,6 +1686,8 @@ cdef class Model:
     cdef public int mtp_next                      # MTP KV rows kv_start..mtp_next-1 hold true pairs
     # Residual stream (before the final norm) of the last forward: all rows, and the last row
     cdef public object h_all, hlast
+    cdef object _span                             # (rows, end position) of the prompt prefill() is forwarding
+    cdef object _on_layer                         # prefill()'s per-layer progress hook
     cdef public object mtp_logits                 # draft logits of the last mtp_draft chain
     # Routed experts (colibri/cache.py)
     cdef public object cache                      # ExpertCache: pinned hot-store + per-layer LRU + prefetch
@@ -2411,6 +2413,8 @@ cdef class Model:
         c = self.cfg
         if self.absorb >= 0:
             return self.absorb == 1
+        if self._span is not None:      # a piece of prefill(): the path of the whole prompt
+            S, T = max(S, self._span[0]), max(T, self._span[1])
         return (S <= ABSORB_MAX_ROWS or T > expanded_key_rows(c, T, -1)
                 or (self.has_dsa and T > c.index_topk))
 
@@ -3035,6 +3039,8 @@ cdef class Model:
             return self._layers_c(x, S, pos_base)
         for L in self.layers:
             S = self.layer_forward(L, x, S, pos_base)
+            if self._on_layer is not None:
+                self._on_layer()
         return S
 
     def _forward(self, ids, int pos_base):
@@ -3105,6 +3111,49 @@ cdef class Model:
         if self.has_mtp and self.mtp_absorb_prefill and S >= 2:
             self.mtp_absorb(ids[1:], x[:S - 1], pos_base)
         return self.logits_rows(x[S - 1:])[0]
+
+    def prefill(self, ids, int pos_base=0, int batch=0, progress=None):
+        """Forward a prompt at pos_base..; the logits of its last row [V], as step(). batch > 0:
+        in forwards of at most batch rows (near-equal pieces, ceil(S / batch) of them): the
+        scratch is bounded by the piece and each routed expert is read once per piece and layer.
+        Every piece takes the attention path a single forward of the whole prompt takes, so the
+        result does not depend on batch (pieces of <= FUSED_MAX_ROWS rows excepted: they run as
+        decode batches). progress(rows_done, rows): after each layer of each piece (rows_done
+        counts a piece's rows in proportion to its layers). With mtp_absorb_prefill the MTP head
+        learns every (token p+1, hidden p) pair of the prompt, across the pieces' borders."""
+        ids = [int(t) for t in ids]
+        cdef int S = len(ids), n, size, a, b, k, done = 0, nl = len(self.layers)
+        if S < 1:
+            raise ValueError("empty prompt")
+        if batch < 0:
+            raise ValueError(f"batch must be >= 0 (0 = the whole prompt in one forward), got {batch}")
+        n = 1 if batch == 0 or batch >= S else (S + batch - 1) // batch
+        size = (S + n - 1) // n
+        layers_done = [0]
+
+        def on_layer():
+            layers_done[0] += 1
+            progress(min(done + (b - a) * layers_done[0] // nl, S), S)
+        h = np.empty((S, self.cfg.hidden), np.float32) if n > 1 else None    # [S, D] every row's residual
+        self._span = (S, pos_base + S) if n > 1 else None
+        self._on_layer = on_layer if progress is not None else None
+        try:
+            for k in range(n):
+                a, b = k * size, min(S, (k + 1) * size)
+                layers_done[0] = 0
+                x = self._forward(ids[a:b], pos_base + a)
+                if h is not None:
+                    h[a:b] = x
+                done = b
+                if self.has_mtp and self.mtp_absorb_prefill and b - a >= 1 and a + 1 < S:
+                    nxt = ids[a + 1:b + 1]          # the token after each row of the piece
+                    self.mtp_absorb(nxt, x[:len(nxt)], pos_base + a)
+        finally:
+            self._span = None
+            self._on_layer = None
+        if h is not None:                  # the MTP catch-up of --draft auto reads every prompt row
+            self.h_all = h
+        return self.logits_rows(x[len(x) - 1:])[0]
 
     def step_all(self, ids, int pos_base):
         """Forward ids at pos_base..; logits of every row [S, V] (spec §5.3)."""

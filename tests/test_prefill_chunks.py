@@ -124,3 +124,39 @@ def test_expanded_attention_blocks_are_bit_identical_to_rows(model, int4):
         pos += n
     assert pos == len(ids)
     np.testing.assert_array_equal(np.concatenate(got), ref)
+
+
+@pytest.mark.parametrize("model", ["tiny_mtp", "int4"])
+@pytest.mark.parametrize("batch", [0, 1000, 40, 23])
+def test_prefill_in_batches_is_bit_identical(model, batch, int4):
+    """Model.prefill(batch=N) (run --batch N): the prompt in near-equal forwards of <= N rows,
+    each on the whole prompt's attention path, gives the logits, the KV cache, the MTP head's KV
+    and the residual rows of one forward; progress reports every layer of every piece."""
+    path = int4 if model == "int4" else DATA / model
+    ids = _prompt(100, 256)
+
+    def run(batch, progress=None):
+        m = model_init(path, cache_experts=3)
+        m.kv_alloc(len(ids) + 8)
+        m.mtp_absorb_prefill = m.has_mtp
+        logits = m.step(ids, 0) if batch is None else m.prefill(ids, 0, batch=batch, progress=progress)
+        return m, logits, m.step([ids[0]], len(ids))
+
+    a, la, da = run(None)
+    seen = []
+    b, lb, db = run(batch, lambda done, total: seen.append((done, total)))
+    np.testing.assert_array_equal(la, lb)
+    np.testing.assert_array_equal(da, db)
+    for i in range(len(a.Lc)):
+        np.testing.assert_array_equal(a.Lc[i], b.Lc[i])
+        np.testing.assert_array_equal(a.Rc[i], b.Rc[i])
+    pieces = 1 if batch in (0, 1000) else -(-len(ids) // batch)
+    assert len(seen) == pieces * len(b.layers) and seen[-1] == (len(ids), len(ids))
+    assert all(d0 <= d1 for (d0, _), (d1, _) in zip(seen, seen[1:]))
+
+
+def test_prefill_rejects_a_negative_batch():
+    m = model_init(DATA / "tiny_mtp")
+    m.kv_alloc(16)
+    with pytest.raises(ValueError, match="batch must be >= 0"):
+        m.prefill([1, 2, 3], 0, batch=-1)
