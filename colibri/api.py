@@ -32,7 +32,8 @@ class Options:
     O_DIRECT expert reads; ``autopin`` pin hot experts from the saved routing history; ``pin`` /
     ``pin_gb`` explicit pins from a stats file; ``warm_experts`` read every expert at load when all
     fit in the budget; ``idot`` matmul numerics (see the README);
-    ``context`` KV positions (0 = the model's context, at most 4096).
+    ``context`` KV positions (0 = the model's context, at most 4096); ``batch`` prompt tokens per
+    prefill forward (0 = up to 2048, fewer where the budget is small; the result is the same).
     Generation defaults: ``max_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``draft``
     ('auto' or a depth 0..16)."""
     cache_experts: int = 0
@@ -47,6 +48,7 @@ class Options:
     warm_experts: bool = True
     idot: int = 2
     context: int = 0
+    batch: int = 0
     max_tokens: int = 256
     temperature: float = 0.7
     top_p: float = 0.9
@@ -74,6 +76,8 @@ class Options:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.context < 0:
             raise ValueError(f"context must be >= 0, got {self.context}")
+        if self.batch < 0:
+            raise ValueError(f"batch must be >= 0 (0 = the default), got {self.batch}")
         _check_sampling(self.max_tokens, self.temperature, self.top_p)
         self.draft = parse_draft(self.draft)
 
@@ -186,7 +190,7 @@ class LLM:
         self.context = min(o.context or min(limit, 4096), limit)
         self.tiers = _tiers.configure(self.model, self.context, requested=o.cache_experts, ram_gb=o.ram_gb,
                                       pin=o.pin, pin_gb=o.pin_gb, autopin=o.autopin, prefetch=o.prefetch,
-                                      warm=o.warm_experts, mtp_tier=o.draft != 0)
+                                      warm=o.warm_experts, mtp_tier=o.draft != 0, batch=o.batch)
         self.model.kv_alloc(self.context)
         self.eos = set(self.cfg.eos_ids)
         self.history: List[int] = []       # tokens whose KV rows are valid, from position 0
@@ -246,12 +250,16 @@ class LLM:
                              f"{self.context} positions")
         tail = _TextTail(self.tokenizer, stops)
 
+        first = []                               # when the first text reached on_text
+
         def emit(t):
             if cancel is not None and cancel.is_set():
                 raise _Stop
             piece = tail.push(t)
             if piece and on_text is not None:
                 on_text(piece)
+            if piece and not first:
+                first.append(time.perf_counter())
 
         with self.lock:
             m = self.model
@@ -260,7 +268,7 @@ class LLM:
             self.history = []                    # invalid until this request's KV is consistent
             m.reset_stats()
             m.mtp_absorb_prefill = m.has_mtp and isinstance(draft, int) and draft > 0
-            logits = m.step(ids[common:], common)
+            logits = m.prefill(ids[common:], common, batch=self.tiers.batch)
             t_prefill = time.perf_counter() - t0
             history = list(ids)
             finish = "length"
@@ -282,7 +290,8 @@ class LLM:
             if last and on_text is not None:
                 on_text(last)
             t_total = time.perf_counter() - t0
-            stats = {"prefill_s": t_prefill, "decode_s": t_total - t_prefill,
+            stats = {"prefill_s": t_prefill, "ttft_s": (first[0] - t0) if first else t_total,
+                     "decode_s": t_total - t_prefill,
                      "decode_tok_s": len(out) / max(t_total - t_prefill, 1e-9),
                      "tokens_per_forward": len(out) / max(m.decode_forwards, 1),
                      "hit_rate": m.cache.stats["hit_rate"], "bytes_read": m.bytes_read,

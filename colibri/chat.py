@@ -132,7 +132,7 @@ def run(args) -> int:
     kw = dict(cache_experts=args.cache_experts, threads=args.threads, ram_gb=args.ram, io_threads=args.io_threads,
               prefetch=not args.no_prefetch, direct=args.direct, autopin=not args.no_autopin, pin=args.pin,
               pin_gb=args.pin_gb, warm_experts=not args.lazy_experts, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-              draft=args.draft)
+              draft=args.draft, batch=args.batch)
     llm = load(args.model, Options.from_env(**kw))
     session = ChatSession(llm, system=args.system, persist=not args.no_save)
     out = sys.stdout
@@ -198,3 +198,5 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling")
     p.add_argument("--draft", default="auto", metavar="N|auto", help="speculative draft depth (default auto)")
     p.add_argument("--no-save", action="store_true", help="do not save or reopen the conversation")
+    p.add_argument("--batch", type=int, default=0, metavar="N",
+                   help="prompt tokens per prefill forward (0 = up to 2048, fewer where the budget is small)")

@@ -74,10 +74,10 @@ def kv_bytes(cfg, ctx: int, has_dsa: bool, has_mtp: bool) -> int:
     return per_pos * int(ctx)
 
 
-def work_bytes(cfg, ctx: int, has_dsa: bool) -> int:
+def work_bytes(cfg, ctx: int, has_dsa: bool, batch: int = 0) -> int:
     """``tiers.work_bytes_estimate`` (it reads only the config)."""
     from .tiers import work_bytes_estimate
-    return work_bytes_estimate(SimpleNamespace(cfg=cfg, has_dsa=has_dsa), ctx)
+    return work_bytes_estimate(SimpleNamespace(cfg=cfg, has_dsa=has_dsa), ctx, batch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def _ctx_for(cfg, ctx):
 
 def build_report(model_dir, *, dense_bits: int = 32, expert_bits: int = 32, ctx=None, ram_gb=None,
                  cache_experts: int = 0, prefetch: bool = True, runtime_bytes=None, mem_available=None,
-                 mtp_tier: bool = True) -> dict:
+                 mtp_tier: bool = True, batch: int = 0) -> dict:
     """The plan of a model directory, as a JSON-ready dict. Raises :class:`PlanError`,
     ``ConfigError`` or ``ContainerError`` (each naming the file) on bad input.
 
@@ -297,16 +297,21 @@ def build_report(model_dir, *, dense_bits: int = 32, expert_bits: int = 32, ctx=
         raise PlanError(f"{model_dir}: no such directory")
     cfg = load_config(model_dir)
     ctx = _ctx_for(cfg, ctx)
+    if batch < 0:
+        raise PlanError(f"--batch must be >= 1 (or 0 for the default), got {batch}")
+    budget_gb = ram_gb if ram_gb is not None or not mem_available else _budget.BUDGET_FRACTION * mem_available / 1e9
     with SafeTensorsDir(model_dir) as st:
-        rep = _report(st, cfg, model_dir, dense_bits, expert_bits, ctx)
+        rep = _report(st, cfg, model_dir, dense_bits, expert_bits, ctx, batch, budget_gb)
     _add_ram(rep, cfg, ctx, ram_gb, cache_experts, prefetch, runtime_bytes, mem_available, mtp_tier)
     return rep
 
 
-def _report(st, cfg, model_dir, dense_bits, expert_bits, ctx) -> dict:
+def _report(st, cfg, model_dir, dense_bits, expert_bits, ctx, batch=0, budget_gb=None) -> dict:
+    from .tiers import prefill_batch
     acc = _Acc(st, dense_bits, expert_bits)
     notes = acc.notes
     has_dsa = cfg.dsa and indexer_missing(cfg, st, model_dir) is None
+    batch = prefill_batch(SimpleNamespace(cfg=cfg, has_dsa=has_dsa), ctx, budget_gb, batch)  # as `run` picks it
     has_mtp = _has_mtp(st, cfg.n_layers)
 
     # embeddings and head: f32 unless --dense-bits 4 (model_init's io_bits)
@@ -414,7 +419,8 @@ def _report(st, cfg, model_dir, dense_bits, expert_bits, ctx) -> dict:
         "ctx": ctx,
         "kv_bytes": kv_bytes(cfg, ctx, has_dsa, has_mtp),
         "kv_bytes_per_position": kv_bytes(cfg, 1, has_dsa, has_mtp),
-        "work_bytes": work_bytes(cfg, ctx, has_dsa),
+        "batch": batch,
+        "work_bytes": work_bytes(cfg, ctx, has_dsa, batch),
         "per_token": {"hit_rate_assumed": 0.0, "disk_bytes_cold": cold, "disk_bytes_uniform": None,
                       "mtp_draft_disk_bytes": cfg.topk * mtp_row["expert_disk_bytes"] if mtp_row else 0,
                       "resident_bytes_touched": touched,
@@ -525,7 +531,8 @@ def format_report(rep: dict) -> str:
     L.append(f"  {'all experts':<28}{'':>12}{_fmt(ex['total_bytes']):>12}{_fmt(ex['total_disk_bytes']):>16} total")
     L.append("")
     L.append(f"context   {rep['ctx']} positions: KV cache {_fmt(rep['kv_bytes'])} "
-             f"({_fmt(rep['kv_bytes_per_position'])}/position), work buffers {_fmt(rep['work_bytes'])}, "
+             f"({_fmt(rep['kv_bytes_per_position'])}/position), work buffers {_fmt(rep['work_bytes'])} "
+             f"(prompts in forwards of {rep['batch']} rows), "
              f"runtime {_fmt(rep['runtime_bytes'])} ({rep['runtime_source']})")
     if ram["error"]:
         L.append(f"RAM plan  DOES NOT FIT: {ram['error']}")
@@ -583,6 +590,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-experts", type=int, default=0, metavar="N",
                         help="experts per layer asked for, as 'run --cache-experts' (0 = as many as fit)")
     parser.add_argument("--no-prefetch", action="store_true", help="plan as 'run --no-prefetch'")
+    parser.add_argument("--batch", type=int, default=0, metavar="N",
+                        help="prompt rows per prefill forward, as 'run --batch' (0 = run's default: "
+                             "the context up to 2048 rows, fewer where the budget is small)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
@@ -596,7 +606,7 @@ def run(args: argparse.Namespace) -> int:
         rep = build_report(model, dense_bits=args.dense_bits, expert_bits=args.expert_bits,
                            ctx=getattr(args, "ctx", None), ram_gb=getattr(args, "ram", None),
                            cache_experts=getattr(args, "cache_experts", 0) or 0,
-                           prefetch=not getattr(args, "no_prefetch", False))
+                           prefetch=not getattr(args, "no_prefetch", False), batch=getattr(args, "batch", 0) or 0)
     except (ConfigError, ContainerError, PlanError, ValueError, OSError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"colibri plan: error: {msg}", file=sys.stderr)

@@ -89,7 +89,7 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
     cfg = model.cfg
     tiers = _tiers.configure(model, need, requested=args.cache_experts, ram_gb=args.ram, pin=args.pin,
                              pin_gb=args.pin_gb, autopin=not args.no_autopin, prefetch=not args.no_prefetch,
-                             warm=not args.lazy_experts, mtp_tier=draft_mode != 0)
+                             warm=not args.lazy_experts, mtp_tier=draft_mode != 0, batch=args.batch)
     if not args.quiet:
         print(tiers.summary(), file=sys.stderr)
     sampler = Sampler(cfg.vocab, args.temperature, args.top_p, args.seed)
@@ -113,19 +113,26 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
     model.mtp_absorb_prefill = model.has_mtp and isinstance(draft_mode, int) and draft_mode > 0
     t0 = time.perf_counter()
     history = list(ids)
-    logits = model.step(history, 0)
+    bar = PrefillProgress(disable=args.quiet)
+    try:
+        logits = model.prefill(history, 0, batch=tiers.batch, progress=bar.update)
+    finally:
+        bar.close()
     t_prefill = time.perf_counter() - t0
     t1 = time.perf_counter()
     out_ids, _ = model.spec_decode(history, len(ids), args.max_tokens, logits, sampler, policy,
                                    stops=stops, emit=printer.emit)
     t_decode = time.perf_counter() - t1
     printer.finish()
+    ttft = printer.t_first - t0 if printer.t_first is not None else t_prefill
     model.cache.wait_prefetch()
     n_dec = len(out_ids)
     stats = {
         "tokens": out_ids,
         "prefill_tokens": len(ids),
         "prefill_s": t_prefill,
+        "prefill_batch": int(tiers.batch),
+        "ttft_s": ttft,             # prefill start to the first generated token on stdout
         "decode_tokens": n_dec,
         "decode_s": t_decode,
         "decode_tok_s": (n_dec / t_decode) if t_decode > 0 else 0.0,
@@ -149,6 +156,7 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
     stats["omp_wait_policy"] = WAIT_POLICY
     if not args.quiet:
         print(f"---\nprefill {len(ids)} tok in {t_prefill:.3f}s ({len(ids) / max(t_prefill, 1e-9):.1f} tok/s) | "
+              f"time to first token {ttft:.3f}s | "
               f"decode {n_dec} tok in {t_decode:.3f}s ({stats['decode_tok_s']:.1f} tok/s) | "
               f"peak RSS {stats['peak_rss_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
         print(tier_line(stats), file=sys.stderr)
@@ -245,11 +253,40 @@ def write_trace(path: str, model, model_dir: str) -> None:
     os.replace(tmp, path)
 
 
+class PrefillProgress:
+    """A tqdm bar on stderr for a prompt's prefill (tokens, tok/s), shown once it has taken
+    SHOW_AFTER_S seconds: short prompts print nothing. ``update(done, total)`` is
+    Model.prefill's progress callback."""
+    SHOW_AFTER_S = 1.0
+
+    def __init__(self, disable=False):
+        self.disable, self.bar, self.t0 = disable, None, time.perf_counter()
+
+    def update(self, done, total):
+        if self.disable:
+            return
+        if self.bar is None:
+            if time.perf_counter() - self.t0 < self.SHOW_AFTER_S:
+                return
+            from tqdm import tqdm
+            # the rate counts from here on (initial=done), not the first second's rows in one jump
+            self.bar = tqdm(total=total, initial=done, unit="tok", desc="[colibri] prefill", file=sys.stderr,
+                            leave=False, dynamic_ncols=True, mininterval=0.25)
+        self.bar.update(done - self.bar.n)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 class _Printer:
-    """Streams tokens to stdout: text through the tokenizer (incremental decode), else ids."""
+    """Streams tokens to stdout: text through the tokenizer (incremental decode), else ids.
+    t_first: when the first token reached stdout (perf_counter)."""
 
     def __init__(self, tok, quiet):
         self.tok, self.ids, self.shown = tok, [], ""
+        self.t_first = None
 
     def emit(self, t):
         self.ids.append(t)
@@ -262,6 +299,8 @@ class _Printer:
             sys.stdout.write(text[len(self.shown):])
             self.shown = text
         sys.stdout.flush()
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
 
     def finish(self):
         sys.stdout.write("\n")

@@ -1003,6 +1003,8 @@ def add_arguments(p: argparse.ArgumentParser):
     g.add_argument("--context", type=int, default=None, metavar="N",
                    help="KV positions (0 = the model's context, at most 4096)")
     g.add_argument("--threads", type=int, default=None, help="OpenMP threads (0 = all cores)")
+    g.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="prompt tokens per prefill forward (0 = up to 2048, fewer where the budget is small)")
     g.add_argument("--io-threads", type=int, default=None, metavar="N", help="concurrent expert reads")
     g.add_argument("--idot", type=int, default=None, choices=(0, 1, 2), help="int8/int4 matmul path")
     g.add_argument("--pin", default=None, metavar="STATS", help="pin the most used experts of a stats file")
@@ -1023,6 +1025,7 @@ def add_arguments(p: argparse.ArgumentParser):
 
 
 _OPTION_ARGS = {"cache_experts": "cache_experts", "ram": "ram_gb", "context": "context", "threads": "threads",
+                "batch": "batch",
                 "io_threads": "io_threads", "idot": "idot", "pin": "pin", "pin_gb": "pin_gb",
                 "autopin": "autopin", "prefetch": "prefetch", "direct": "direct", "warm_experts": "warm_experts", "draft": "draft",
                 "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p"}

@@ -63,9 +63,34 @@ def _float_matrix_bytes(O: int, I: int, bits: int) -> int:
     return O * (I if bits == 8 else (I + 1) // 2) + 4 * O
 
 
-def work_bytes_estimate(model, ctx: int) -> int:
-    """Scratch of forwards in a context of ctx positions: the engine's Work buffers for a prompt
-    as long as the context (``_core.work_bytes``, the formula Work allocates by), the forward's
+#: Prompt rows per prefill forward by default at most (``--batch``; llama.cpp's n_batch default),
+#: halved down to MIN_BATCH while a forward's scratch would pass WORK_SHARE of the RAM budget.
+DEFAULT_BATCH = 2048
+MIN_BATCH = 256
+WORK_SHARE = 0.125
+
+
+def prefill_batch(model, ctx: int, ram_gb=None, requested: int = 0) -> int:
+    """Rows per prefill forward (Model.prefill's batch) in a context of ctx positions: requested
+    when > 0, else the whole context up to DEFAULT_BATCH rows, halved (not below MIN_BATCH) while
+    the forward's scratch (work_bytes_estimate) would take more than WORK_SHARE of the budget
+    (ram_gb, else 0.88 x available memory)."""
+    if requested < 0:
+        raise ValueError(f"--batch must be >= 1 (or 0 for the default), got {requested}")
+    if requested:
+        return int(requested)
+    ctx = max(int(ctx), 1)
+    budget = _gb(ram_gb) if ram_gb is not None else int(_budget.BUDGET_FRACTION * _budget.mem_available_bytes())
+    n = min(ctx, DEFAULT_BATCH)
+    while n > MIN_BATCH and budget > 0 and work_bytes_estimate(model, ctx, n) > WORK_SHARE * budget:
+        n //= 2
+    return max(n, 1)
+
+
+def work_bytes_estimate(model, ctx: int, batch: int = 0) -> int:
+    """Scratch of forwards in a context of ctx positions, the prompt forwarded batch rows at a time
+    (0: all of it at once): the engine's Work buffers for a forward of min(ctx, batch) rows
+    (``_core.work_bytes``, the formula Work allocates by), the prompt's
     residual rows and their copy (2 x [ctx, D]), a verify batch's logits and the fused FFN
     group's buffers, the batch GEMMs' packed rows and weight panels (``_core.gemm_scratch_bytes``),
     and the huge pages the expert buffers are being carved from (``_core.BUFFER_SLACK_BYTES``). ``model`` needs ``cfg`` and ``has_dsa``."""
@@ -73,9 +98,10 @@ def work_bytes_estimate(model, ctx: int) -> int:
     c = model.cfg
     ctx = max(int(ctx), 1)
     S = _core.ABSORB_MAX_ROWS                  # verify batches (1 + up to 16 drafts)
+    rows = min(ctx, batch) if batch > 0 else ctx    # a prefill forward's rows
     inter = max(c.dense_inter, c.moe_inter * max(c.n_shared, 1), c.moe_inter)
     kvb_rows = _core.expanded_key_rows(c, ctx, int(getattr(model, "absorb", -1)))
-    work = _core.work_bytes(c, max(S, ctx), ctx, bool(getattr(model, "has_dsa", True)), kvb_rows,
+    work = _core.work_bytes(c, max(S, rows), ctx, bool(getattr(model, "has_dsa", True)), kvb_rows,
                             max(_core.max_threads(), 1))
     floats = 2 * ctx * c.hidden + S * c.vocab
     pairs = S * (c.topk + 1)
@@ -120,6 +146,7 @@ class Tiers:
     warmed_bytes: int = 0
     warm_s: float = 0.0
     mtp_tier_bytes: int = 0         # the MTP row's experts pinned whole (the MTP tier)
+    batch: int = 0                  # prompt rows per prefill forward (prefill_batch)
     notes: list = field(default_factory=list)
 
     def summary(self) -> str:
@@ -150,7 +177,7 @@ class Tiers:
 
 def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin_gb=None,
               autopin: bool = True, prefetch: bool = True, learn: bool = True, runtime=None,
-              warm: bool = True, progress=None, mtp_tier: bool = True) -> Tiers:
+              warm: bool = True, progress=None, mtp_tier: bool = True, batch: int = 0) -> Tiers:
     """Size the expert cache for the RAM budget and pin experts; see the module docstring.
 
     requested: experts per layer asked for (0 = as many as the budget allows, up to all);
@@ -160,16 +187,18 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
     besides the model (default: measured, see ``runtime_bytes``); warm: when the budget holds every
     routed expert, read them all now (``warm_all``; progress(done, total) after
     each) rather than on their first use mid-generation. mtp_tier: pin every expert of the MTP
-    row when the plan takes the MTP tier (budget.MTP_TIER_SHARE; pass False without drafting)."""
+    row when the plan takes the MTP tier (budget.MTP_TIER_SHARE; pass False without drafting).
+    batch: prompt rows per prefill forward (prefill_batch; 0 = its default), kept in Tiers.batch."""
     c = model.cfg
+    batch = prefill_batch(model, ctx, ram_gb, batch)
     rows = expert_bytes_by_row(model)
     main = [b for b in rows[:c.n_layers] if b > 0]
     if not main:                                   # no routed experts at all: nothing to size
-        plan = _budget.plan_ram(model.resident_bytes(), model.kv_bytes(ctx), work_bytes_estimate(model, ctx),
+        plan = _budget.plan_ram(model.resident_bytes(), model.kv_bytes(ctx), work_bytes_estimate(model, ctx, batch),
                                 1, 0, max(c.n_experts, 1), 1, ram_bytes=_gb(ram_gb))
-        return Tiers(plan=plan)
+        return Tiers(plan=plan, batch=batch)
     kw = dict(resident_bytes=model.resident_bytes(), kv_bytes=model.kv_bytes(ctx),
-              work_bytes=work_bytes_estimate(model, ctx) + (runtime_bytes(model) if runtime is None else int(runtime)),
+              work_bytes=work_bytes_estimate(model, ctx, batch) + (runtime_bytes(model) if runtime is None else int(runtime)),
               expert_bytes=max(main), n_moe_rows=len(main),
               n_experts=c.n_experts, requested_capacity=requested, ram_bytes=_gb(ram_gb),
               mtp_expert_bytes=rows[c.n_layers] or None, prefetch=prefetch, mtp_tier=mtp_tier)
@@ -179,7 +208,7 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
         avail = _budget.mem_available_bytes()
         kw["mem_available"] = avail + current_rss_bytes() if avail > 0 else None
     plan = _budget.plan_ram(**kw)
-    t = Tiers(plan=plan)
+    t = Tiers(plan=plan, batch=batch)
     if learn or autopin:
         t.usage_file = _usage.usage_path(model.path)
         t.history, skipped = _usage.load_counts(t.usage_file, c.n_layers + 1, c.n_experts, missing_ok=True)

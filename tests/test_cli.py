@@ -45,6 +45,41 @@ def test_run_greedy_with_stats(tmp_path):
     assert "tok/s" in p.stderr
 
 
+def test_run_batch_gives_the_same_tokens_and_reports_ttft(tmp_path):
+    """--batch N forwards the prompt in pieces of <= N tokens with the same result; the summary and
+    --stats-json give the time to first token and the batch taken (default: the whole prompt)."""
+    ids = ",".join(str((i * 37 + 11) % 256) for i in range(90))
+    got = {}
+    for batch in (0, 25):
+        stats = tmp_path / f"s{batch}.json"
+        p = colibri("run", "--model", DATA / "tiny_mtp", "--prompt-ids", ids, "--max-tokens", 8, "--temperature", 0,
+                    "--batch", batch, "--stats-json", stats)
+        got[batch] = s = json.loads(stats.read_text())
+        assert s["prefill_batch"] >= 90 if batch == 0 else s["prefill_batch"] == 25
+        assert s["prefill_s"] <= s["ttft_s"] <= s["prefill_s"] + s["decode_s"]
+        assert "time to first token" in p.stderr
+    assert got[0]["tokens"] == got[25]["tokens"]
+
+
+def test_prefill_progress_shows_a_bar_only_for_long_prompts(capsys, monkeypatch):
+    from colibri.runner import PrefillProgress
+    quick = PrefillProgress()
+    quick.update(50, 100)
+    quick.close()
+    assert capsys.readouterr().err == ""            # under a second: nothing printed
+    monkeypatch.setattr(PrefillProgress, "SHOW_AFTER_S", 0.0)
+    slow = PrefillProgress()
+    for done in (10, 60, 100):
+        slow.update(done, 100)
+    slow.close()
+    err = capsys.readouterr().err
+    assert "[colibri] prefill" in err and "/100" in err and "tok/s" in err
+    off = PrefillProgress(disable=True)
+    off.update(100, 100)
+    off.close()
+    assert capsys.readouterr().err == ""
+
+
 def test_run_sampling_is_seeded(tmp_path):
     args = ["run", "--model", DATA / "tiny_dsa", "--prompt-ids", "3,14,15", "--max-tokens", 12,
             "--temperature", 1.0, "--seed", 7, "--quiet"]
@@ -60,6 +95,7 @@ def test_run_sampling_is_seeded(tmp_path):
     (["some text"], "tokenizer"),
     (["--prompt-ids", "3", "--draft", "99"], "--draft"),
     (["--prompt-ids", "3", "--draft", "many"], "--draft"),
+    (["--prompt-ids", "3", "--batch", "-4"], "--batch"),
 ])
 def test_run_bad_input(args, msg):
     p = colibri("run", "--model", DATA / "tiny_dense", *args, check=False)

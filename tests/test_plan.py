@@ -65,7 +65,8 @@ def test_report_matches_the_loaded_engine(name, db, eb, loaded):
     assert r["experts"]["total_bytes"] == total
     # KV cache and work buffers: the engine's own formulas
     assert r["kv_bytes"] == m.kv_bytes(r["ctx"]) and r["kv_bytes_per_position"] == m.kv_bytes(1)
-    assert r["work_bytes"] == tiers.work_bytes_estimate(m, r["ctx"])
+    assert r["batch"] == tiers.prefill_batch(m, r["ctx"])         # the batch `run` takes
+    assert r["work_bytes"] == tiers.work_bytes_estimate(m, r["ctx"], r["batch"])
     assert r["ctx"] == min(plan.DEFAULT_CTX, c.max_positions)
     # per-token disk reads at hit rate 0: top-k experts of every main MoE layer
     assert r["per_token"]["hit_rate_assumed"] == 0.0
@@ -88,10 +89,12 @@ def test_ram_plan_equals_configure(name, loaded, tmp_path, monkeypatch):
         ctx = two["ctx"]
         tight = (two["ram"]["projected_peak_bytes"] + 100) / 1e9     # fits 2 cached experts per row, not 3
         for ram_gb, req, cap in ((8, 0, E), (8, 3, 3), (8, 2, 2), (tight, 4, 2), (tight, 0, E)):
+            # the prefill batch of the roomy plan throughout (the default shrinks on small budgets:
+            # test_default_batch_follows_the_budget)
             r = plan.build_report(MODELS[name], ctx=ctx, ram_gb=ram_gb, runtime_bytes=12345, cache_experts=req,
-                                  mtp_tier=False)
+                                  mtp_tier=False, batch=two["batch"])
             t = tiers.configure(m, ctx, requested=req, ram_gb=ram_gb, runtime=12345, autopin=False, learn=False,
-                                mtp_tier=False)
+                                mtp_tier=False, batch=two["batch"])
             p = r["ram"]
             assert p["error"] is None
             assert (p["capacity"], p["projected_peak_bytes"], p["expert_avail_bytes"], p["budget_bytes"]) == (
@@ -101,10 +104,12 @@ def test_ram_plan_equals_configure(name, loaded, tmp_path, monkeypatch):
             assert p["min_ram_bytes"] <= p["projected_peak_bytes"] <= p["budget_bytes"]
             assert p["min_ram_bytes"] == min(p["one_cached_ram_bytes"], p["all_cached_ram_bytes"]) if req == 0 \
                 else p["min_ram_bytes"] <= p["one_cached_ram_bytes"]
-            # the smallest budget that plans, and one just below it that cannot
+            # the smallest budget that plans with the report's prefill batch, and one just below it
+            # that cannot (a smaller budget may plan with a smaller default batch)
+            assert r["batch"] == t.batch
             for margin, ok in ((20, True), (-20, False)):
                 low = plan.build_report(MODELS[name], ctx=ctx, ram_gb=(p["min_ram_bytes"] + margin) / 1e9,
-                                        runtime_bytes=12345, cache_experts=req)["ram"]
+                                        runtime_bytes=12345, cache_experts=req, batch=r["batch"])["ram"]
                 assert (low["error"] is None) == ok, (margin, req)
             cold = r["per_token"]["disk_bytes_cold"]
             assert r["per_token"]["disk_bytes_uniform"] == round(cold * (1 - cap / E))
@@ -330,3 +335,23 @@ def test_model_without_moe_layers_plans_as_configure(tmp_path, monkeypatch):
         assert r["per_token"]["disk_bytes_cold"] == 0 and r["per_token"]["disk_bytes_uniform"] is None
     finally:
         m.close()
+
+
+def test_default_batch_follows_the_budget():
+    """run's default --batch (tiers.prefill_batch): the context up to DEFAULT_BATCH rows, halved
+    (not below MIN_BATCH) while a forward's scratch passes WORK_SHARE of the budget; the plan
+    reports it and counts the scratch of that batch; an explicit batch is kept."""
+    m = _core.model_init(MODELS["tiny_dsa"])
+    ctx = 4096
+    assert tiers.prefill_batch(m, 100, ram_gb=8) == 100
+    assert tiers.prefill_batch(m, ctx, ram_gb=8) == tiers.DEFAULT_BATCH
+    assert tiers.prefill_batch(m, ctx, ram_gb=8, requested=77) == 77
+    full = tiers.work_bytes_estimate(m, ctx, tiers.DEFAULT_BATCH)
+    small = tiers.prefill_batch(m, ctx, ram_gb=full / tiers.WORK_SHARE / 1e9 / 3)
+    assert tiers.MIN_BATCH <= small < tiers.DEFAULT_BATCH
+    assert tiers.work_bytes_estimate(m, ctx, small) < full
+    assert tiers.prefill_batch(m, ctx, ram_gb=1e-6) == tiers.MIN_BATCH
+    r = plan.build_report(MODELS["tiny_dsa"], ctx=ctx, ram_gb=full / tiers.WORK_SHARE / 1e9 / 3)
+    assert r["batch"] == small and r["work_bytes"] == plan.work_bytes(m.cfg, ctx, m.has_dsa, small)
+    with pytest.raises(ValueError, match="--batch must be >= 1"):
+        tiers.prefill_batch(m, ctx, requested=-1)
