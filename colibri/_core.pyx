@@ -64,9 +64,9 @@ cdef extern from "coli_kernels.h" nogil:
     void coli_dots_f32(const float *x, int n, const float *base, long stride, const int *idx, int nrows,
                        float *out)
     void coli_dots_f32_multi(const float *x, long xstride, int nq, int n, const float *base, long stride,
-                             int nrows, float *out, long ostride)
+                             const int *idx, int nrows, float *out, long ostride)
     void coli_axpy_rows_f32_multi(float *y, long ystride, int nq, int n, const float *c, long cstride,
-                                  const float *x, long stride, int nrows)
+                                  const float *x, long stride, const int *idx, int nrows)
     void coli_dots_q8f32(const float *x, int n, const int8_t *w, long rb, int nrows, float *out)
     void coli_dots_q4f32(const float *x, int n, const uint8_t *w, long rb, int nrows, float *out)
     void coli_axpy_rows_q8f32(float *y, int n, const float *c, const int8_t *w, long rb, int nrows)
@@ -1617,9 +1617,9 @@ def work_shapes(c, int S, int T, bint dsa, int kvb_rows, int nt, int chunk=0):
         "ckv": ((C, c.kv_lora + c.qk_rope), f4), "ctx": ((C, c.n_heads * c.v_head), f4),
         "g": ((C * inter,), f4), "u": ((C * inter,), f4),     # flat: [C, width of the MLP at hand]
         "kvb": ((max(kvb_rows, 1), c.n_heads * (c.qk_nope + c.v_head)), f4),
-        # per thread: absorbed attention's two latents + one row's scores, or expanded attention's
-        # scores of a block of EXPANDED_ROWS rows
-        "tbuf": ((nt, 2 * c.kv_lora + max(2 * T * (EXPANDED_ROWS if kvb_rows > 0 else 1), c.qk_nope)), f4),
+        # per thread: ATTN_BLOCK heads' two latents and scores (absorbed attention), or a block of
+        # ATTN_BLOCK rows' scores (expanded: fewer)
+        "tbuf": ((nt, ATTN_BLOCK * (2 * c.kv_lora + max(2 * T, c.qk_nope))), f4),
         "xq": ((2 * act,), np.int8), "xs": ((2 * act_blocks,), f4), "xm": ((2 * act_blocks,), i4),
         "xr": ((widest,), f4),
     }
@@ -2268,27 +2268,31 @@ cdef class Model:
         # (row, head) items dynamically: a causal row attends to as many keys as its position, so
         # equal halves of the rows would leave the first thread a third of the second one's work
         if absorbed:
+            if tbuf.shape[1] < ATTN_BLOCK * (2 * Lkv + max(2 * T, dn)):
+                raise EngineError("absorbed attention's per-thread scratch too small")
+            nblk = (H + ATTN_BLOCK - 1) // ATTN_BLOCK
+            # items: (row, block of ATTN_BLOCK heads), which share the row's keys
             with nogil:
-                for s in prange(S * H, schedule='dynamic', num_threads=nta):
-                    attend_absorbed(kv_b, &q[s // H, 0], &Lc[0, 0], &Rc[0, 0],
-                                    sel + (s // H) * topk if sparse else NULL,
-                                    nsel[s // H] if sparse else 0, k0,
-                                    pos_base + s // H, s % H, H, dn, dr, dv, Lkv, scale,
-                                    &tbuf[threadid(), 0], &ctx[s // H, 0])
+                for s in prange(S * nblk, schedule='dynamic', num_threads=nta):
+                    attend_absorbed_heads(kv_b, &q[s // nblk, 0], &Lc[0, 0], &Rc[0, 0],
+                                          sel + (s // nblk) * topk if sparse else NULL,
+                                          nsel[s // nblk] if sparse else 0, k0, pos_base + s // nblk,
+                                          (s % nblk) * ATTN_BLOCK, min(H, (s % nblk + 1) * ATTN_BLOCK), H,
+                                          dn, dr, dv, Lkv, scale, &tbuf[threadid(), 0], &ctx[s // nblk, 0])
         else:
             kvb = ws.kvb
             if kvb.shape[0] < T or not 0 <= kvb_from < T:
                 raise EngineError("expanded attention scratch too small")
             self._mm(L.kv_b, &Lc[kvb_from, 0], T - kvb_from, &kvb[kvb_from, 0], ws)
-            if tbuf.shape[1] < 2 * Lkv + 2 * T * EXPANDED_ROWS:
+            if tbuf.shape[1] < 2 * T * ATTN_BLOCK:
                 raise EngineError("expanded attention's per-thread scratch too small")
-            nblk = (S + EXPANDED_ROWS - 1) // EXPANDED_ROWS
-            # items: (head, block of EXPANDED_ROWS rows), head-major, so that a thread's next item
+            nblk = (S + ATTN_BLOCK - 1) // ATTN_BLOCK
+            # items: (head, block of ATTN_BLOCK rows), head-major, so that a thread's next item
             # reads the same head's keys (from L2) and a block reads each key once (from L1)
             with nogil:
                 for s in prange(nblk * H, schedule='dynamic', num_threads=nta):
                     attend_expanded_rows(&q[0, 0], &kvb[0, 0], &Rc[0, 0], sel, nsel, topk,
-                                         (s % nblk) * EXPANDED_ROWS, min(S, (s % nblk + 1) * EXPANDED_ROWS),
+                                         (s % nblk) * ATTN_BLOCK, min(S, (s % nblk + 1) * ATTN_BLOCK),
                                          k0, pos_base, s // nblk, H, dn, dr, dv, scale,
                                          &tbuf[threadid(), 0], &ctx[0, 0])
         self._mm(L.o_proj, &ctx[0, 0], S, &out[0, 0], ws)
@@ -3654,7 +3658,8 @@ cdef void attend_expanded(const float *q, const float *kvb, const float *Rc, con
 
 
 cdef enum:
-    EXPANDED_ROWS = 4       # query rows of one head that expanded attention takes together
+    ATTN_BLOCK = 4          # prompt attention's work item: query rows of one head (expanded), or
+                            # heads of one row (absorbed), that share their keys
 
 
 cdef void attend_expanded_rows(const float *q, const float *kvb, const float *Rc, const int *sel,
@@ -3683,8 +3688,8 @@ cdef void attend_expanded_rows(const float *q, const float *kvb, const float *Rc
                                     ctx + <Py_ssize_t>(s0 + r) * H * dv)
                 return
     # scores of row r: tbuf[r·ts + j] (q_nope·k_nope), tbuf[r·ts + ts/2 + j] (q_rope·k_rope)
-    coli_dots_f32_multi(qh, H * dq, nb, dn, kh, W, nk0, tbuf, ts)
-    coli_dots_f32_multi(qh + dn, H * dq, nb, dr, rh, dr, nk0, tbuf + ts // 2, ts)
+    coli_dots_f32_multi(qh, H * dq, nb, dn, kh, W, NULL, nk0, tbuf, ts)
+    coli_dots_f32_multi(qh + dn, H * dq, nb, dr, rh, dr, NULL, nk0, tbuf + ts // 2, ts)
     for r in range(1, nb):
         coli_dots_f32(qh + <Py_ssize_t>r * H * dq, dn, kh + <Py_ssize_t>nk0 * W, W, NULL, r,
                       tbuf + r * ts + nk0)
@@ -3699,7 +3704,7 @@ cdef void attend_expanded_rows(const float *q, const float *kvb, const float *Rc
         for i in range(dv):
             o[<Py_ssize_t>r * H * dv + i] = 0.0
     # o_r = Σ_j p_rj v_j: the common keys for the block, then row r's own later keys
-    coli_axpy_rows_f32_multi(o, H * dv, nb, dv, tbuf, ts, kh + dn, W, nk0)
+    coli_axpy_rows_f32_multi(o, H * dv, nb, dv, tbuf, ts, kh + dn, W, NULL, nk0)
     for r in range(1, nb):
         coli_axpy_rows_f32(o + <Py_ssize_t>r * H * dv, dv, tbuf + r * ts + nk0, kh + dn + <Py_ssize_t>nk0 * W,
                            W, NULL, r)
@@ -3730,6 +3735,40 @@ cdef void attend_absorbed(const QTc *kv_b, const float *q, const float *Lc, cons
     softmax_inplace(sc, nk)
     coli_axpy_rows_f32(clat, Lkv, sc, Lc + first * Lkv, Lkv, keys, nk)
     qt_rowdots_f(kv_b, base + dn, dv, clat, ctx + h * dv)
+
+
+cdef void attend_absorbed_heads(const QTc *kv_b, const float *q, const float *Lc, const float *Rc,
+                                const int *sel, int nsel, int k0, int pos, int h0, int h1, int H, int dn,
+                                int dr, int dv, int Lkv, float scale, float *tbuf, float *ctx) noexcept nogil:
+    """Heads h0..h1-1 of one row of absorbed attention, each bit-identical to attend_absorbed: the
+    heads share the row's keys (the latents Lc and rotated keys Rc of its window or DSA selection),
+    so their scores and latent sums go through the multi-query kernels, which read each key once
+    for all of them. tbuf: per head qabs [Lkv], clat [Lkv] and scores [max(2·nk, dn)]."""
+    cdef int dq = dn + dr, nh = h1 - h0, j, t, i, nk = nsel if nsel > 0 else pos + 1 - k0
+    cdef Py_ssize_t ss = 2 * nk if 2 * nk > dn else dn                  # a head's score floats
+    cdef Py_ssize_t hs = 2 * Lkv + ss                                  # a head's tbuf floats
+    cdef const int *keys = sel if nsel > 0 else NULL   # rows of Lc / Rc: sel[t], or k0 + t
+    cdef Py_ssize_t first = 0 if nsel > 0 else k0
+    cdef float *qabs
+    cdef float *sc
+    for j in range(nh):                                # qabs_j = W_k,hᵀ q_nope,h
+        qabs = tbuf + j * hs
+        for i in range(2 * Lkv):
+            qabs[i] = 0.0                              # qabs and clat
+        qt_addrows(kv_b, (h0 + j) * (dn + dv), dn, q + <Py_ssize_t>(h0 + j) * dq, qabs + 2 * Lkv, qabs)
+    # scores of head j: tbuf[j·hs + 2·Lkv + t] (qabs·Lc_t), then + nk (q_rope·Rc_t)
+    coli_dots_f32_multi(tbuf, hs, nh, Lkv, Lc + first * Lkv, Lkv, keys, nk, tbuf + 2 * Lkv, hs)
+    coli_dots_f32_multi(q + <Py_ssize_t>h0 * dq + dn, dq, nh, dr, Rc + first * dr, dr, keys, nk,
+                        tbuf + 2 * Lkv + nk, hs)
+    for j in range(nh):
+        sc = tbuf + j * hs + 2 * Lkv
+        for t in range(nk):
+            sc[t] = (sc[t] + sc[nk + t]) * scale
+        softmax_inplace(sc, nk)
+    # clat_j = Σ_t p_jt Lc_t, then ctx_h = W_v,h clat_j
+    coli_axpy_rows_f32_multi(tbuf + Lkv, hs, nh, Lkv, tbuf + 2 * Lkv, hs, Lc + first * Lkv, Lkv, keys, nk)
+    for j in range(nh):
+        qt_rowdots_f(kv_b, (h0 + j) * (dn + dv) + dn, dv, tbuf + j * hs + Lkv, ctx + (h0 + j) * dv)
 
 
 cdef enum:

@@ -119,6 +119,7 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
     finally:
         bar.close()
     t_prefill = time.perf_counter() - t0
+    prefill_read, prefill_misses = int(model.bytes_read), int(model.expert_misses)
     t1 = time.perf_counter()
     out_ids, _ = model.spec_decode(history, len(ids), args.max_tokens, logits, sampler, policy,
                                    stops=stops, emit=printer.emit)
@@ -132,6 +133,8 @@ def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
         "prefill_tokens": len(ids),
         "prefill_s": t_prefill,
         "prefill_batch": int(tiers.batch),
+        "prefill_bytes_read": prefill_read,         # expert bytes read from disk by the prefill
+        "prefill_expert_misses": prefill_misses,
         "ttft_s": ttft,             # prefill start to the first generated token on stdout
         "decode_tokens": n_dec,
         "decode_s": t_decode,

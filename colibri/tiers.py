@@ -83,7 +83,7 @@ def prefill_batch(model, ctx: int, ram_gb=None, requested: int = 0) -> int:
     budget = _gb(ram_gb) if ram_gb is not None else int(_budget.BUDGET_FRACTION * _budget.mem_available_bytes())
     n = min(ctx, DEFAULT_BATCH)
     while n > MIN_BATCH and budget > 0 and work_bytes_estimate(model, ctx, n) > WORK_SHARE * budget:
-        n //= 2
+        n = max(n // 2, MIN_BATCH)
     return max(n, 1)
 
 

@@ -74,17 +74,19 @@ static inline void coli_axpy_q4f32_scalar(float *y, float c, const uint8_t *wp, 
     }
 COLI_AXPY_ROWS_BY_ROW(scalar, )
 
-/* Several outputs over the same rows (attention: a block of query rows of one head over their
- * common values): y_q += sum_r c[q * cstride + r] * row_r for q < nq, y_q = y + q * ystride, rows
- * x + r * stride. Each output is the one-output coli_axpy_rows_f32 bit for bit; here it is those
- * calls, the AVX-512 form reads each row once for all outputs. */
+/* Several outputs over the same rows (attention: a block of query rows of one head, or the heads
+ * of one row, over their common values): y_q += sum_r c[q * cstride + r] * row_r for q < nq,
+ * y_q = y + q * ystride, row_r = x + (idx ? idx[r] : r) * stride. Each output is the one-output
+ * coli_axpy_rows_f32 bit for bit; here it is those calls, the AVX-512 form reads each row once for
+ * all outputs. */
 #define COLI_AXPY_MULTI_BY_OUTPUT(sfx, ATTR)                                                       \
     ATTR static inline void coli_axpy_rows_f32_multi_##sfx(float *y, long ystride, int nq, int n,   \
                                                            const float *c, long cstride,           \
-                                                           const float *x, long stride, int nrows) \
+                                                           const float *x, long stride,            \
+                                                           const int *idx, int nrows)              \
     {                                                                                              \
         for (int q = 0; q < nq; q++)                                                               \
-            coli_axpy_rows_f32_##sfx(y + q * ystride, n, c + q * cstride, x, stride, NULL, nrows); \
+            coli_axpy_rows_f32_##sfx(y + q * ystride, n, c + q * cstride, x, stride, idx, nrows);  \
     }
 COLI_AXPY_MULTI_BY_OUTPUT(scalar, )
 
@@ -265,7 +267,7 @@ COLI_AVX512 static inline void coli_axpy_rows_q4f32_avx512(float *y, int n, cons
  * elements of every output in registers while each row is loaded once */
 COLI_AVX512 static COLI_ALWAYS_INLINE void coli_axpy_multi_k_avx512(float *y, long ystride, int n, const float *c,
                                                                    long cstride, const float *x, long stride,
-                                                                   int nrows, const int NQ)
+                                                                   const int *idx, int nrows, const int NQ)
 {
     for (int i = 0; i < n; i += 32) {
         int left = n - i < 32 ? n - i : 32;
@@ -277,8 +279,9 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_axpy_multi_k_avx512(float *y, lo
             a[q][1] = _mm512_maskz_loadu_ps(m1, y + q * ystride + i + 16);
         }
         for (int r = 0; r < nrows; r++) {
-            __m512 v0 = _mm512_maskz_loadu_ps(m0, x + r * stride + i);
-            __m512 v1 = _mm512_maskz_loadu_ps(m1, x + r * stride + i + 16);
+            const float *row = x + (idx ? idx[r] : r) * stride + i;
+            __m512 v0 = _mm512_maskz_loadu_ps(m0, row);
+            __m512 v1 = _mm512_maskz_loadu_ps(m1, row + 16);
             for (int q = 0; q < NQ; q++) {
                 __m512 cv = _mm512_set1_ps(c[q * cstride + r]);
                 a[q][0] = coli_acc_pinned_avx512(a[q][0], cv, v0);
@@ -294,16 +297,16 @@ COLI_AVX512 static COLI_ALWAYS_INLINE void coli_axpy_multi_k_avx512(float *y, lo
 
 COLI_AVX512 static inline void coli_axpy_rows_f32_multi_avx512(float *y, long ystride, int nq, int n,
                                                                const float *c, long cstride, const float *x,
-                                                               long stride, int nrows)
+                                                               long stride, const int *idx, int nrows)
 {
     for (; nq >= 4; nq -= 4, y += 4 * ystride, c += 4 * cstride)
-        coli_axpy_multi_k_avx512(y, ystride, n, c, cstride, x, stride, nrows, 4);
+        coli_axpy_multi_k_avx512(y, ystride, n, c, cstride, x, stride, idx, nrows, 4);
     if (nq == 3)
-        coli_axpy_multi_k_avx512(y, ystride, n, c, cstride, x, stride, nrows, 3);
+        coli_axpy_multi_k_avx512(y, ystride, n, c, cstride, x, stride, idx, nrows, 3);
     else if (nq == 2)
-        coli_axpy_multi_k_avx512(y, ystride, n, c, cstride, x, stride, nrows, 2);
+        coli_axpy_multi_k_avx512(y, ystride, n, c, cstride, x, stride, idx, nrows, 2);
     else if (nq == 1)
-        coli_axpy_multi_k_avx512(y, ystride, n, c, cstride, x, stride, nrows, 1);
+        coli_axpy_multi_k_avx512(y, ystride, n, c, cstride, x, stride, idx, nrows, 1);
 }
 #endif /* COLI_X86 */
 

@@ -68,17 +68,19 @@ static inline float coli_dot_q4f32_scalar(const uint8_t *wp, const float *x, int
 #define COLI_DOTS_BY_ROW(sfx, ATTR) COLI_DOTS_F32_BY_ROW(sfx, ATTR) COLI_DOTS_Q_BY_ROW(sfx, ATTR)
 COLI_DOTS_BY_ROW(scalar, )
 
-/* Several query vectors against the same rows (attention: a block of query rows of one head over
- * their common keys): out[q * ostride + r] = coli_dot_f32(x + q * xstride, base + r * stride) for
- * q < nq, r < nrows, each the one-vector result bit for bit. Here one coli_dots_f32 per query; the
- * AVX-512 form below keeps 16 rows in L1 for all the queries. */
+/* Several query vectors against the same rows (attention: a block of query rows of one head, or
+ * the heads of one row, over their common keys): out[q * ostride + r] = coli_dot_f32(x + q *
+ * xstride, row_r) for q < nq, r < nrows, row_r = base + (idx ? idx[r] : r) * stride, each the
+ * one-vector result bit for bit. Here one coli_dots_f32 per query; the AVX-512 form below keeps
+ * 16 rows in L1 for all the queries. */
 #define COLI_DOTS_MULTI_BY_QUERY(sfx, ATTR)                                                        \
     ATTR static inline void coli_dots_f32_multi_##sfx(const float *x, long xstride, int nq, int n,  \
-                                                      const float *base, long stride, int nrows,   \
-                                                      float *out, long ostride)                    \
+                                                      const float *base, long stride,              \
+                                                      const int *idx, int nrows, float *out,       \
+                                                      long ostride)                                \
     {                                                                                              \
         for (int q = 0; q < nq; q++)                                                               \
-            coli_dots_f32_##sfx(x + q * xstride, n, base, stride, NULL, nrows, out + q * ostride); \
+            coli_dots_f32_##sfx(x + q * xstride, n, base, stride, idx, nrows, out + q * ostride);  \
     }
 COLI_DOTS_MULTI_BY_QUERY(scalar, )
 
@@ -336,15 +338,16 @@ COLI_AVX512 static inline void coli_dots_f32_avx512(const float *x, int n, const
 
 /* coli_dots_f32_multi: for each block of 16 rows, every query's 16 dots (the rows stay in L1) */
 COLI_AVX512 static inline void coli_dots_f32_multi_avx512(const float *x, long xstride, int nq, int n,
-                                                          const float *base, long stride, int nrows,
-                                                          float *out, long ostride)
+                                                          const float *base, long stride, const int *idx,
+                                                          int nrows, float *out, long ostride)
 {
     for (int r0 = 0; r0 < nrows; r0 += 16) {
         int nr = nrows - r0 < 16 ? nrows - r0 : 16;
         for (int q = 0; q < nq; q++) {
             __m512 v[16];
             for (int r = 0; r < 16; r++)
-                v[r] = r < nr ? coli_dot_f32_vec_avx512(x + q * xstride, base + (r0 + r) * stride, n)
+                v[r] = r < nr ? coli_dot_f32_vec_avx512(x + q * xstride,
+                                                        base + (idx ? idx[r0 + r] : r0 + r) * stride, n)
                               : _mm512_setzero_ps();
             _mm512_mask_storeu_ps(out + q * ostride + r0, (__mmask16)((1u << nr) - 1), coli_hsum16x_avx512(v));
         }

@@ -92,9 +92,9 @@ typedef struct coli_kernel_table {
     void (*dotsg_q4f32)(const float *x, int n, const uint8_t *w_packed, long rb, const float *ws, long wstride,
                         int gs, int nrows, float *out);
     void (*dots_f32_multi)(const float *x, long xstride, int nq, int n, const float *base, long stride,
-                           int nrows, float *out, long ostride);
+                           const int *idx, int nrows, float *out, long ostride);
     void (*axpy_rows_f32_multi)(float *y, long ystride, int nq, int n, const float *c, long cstride,
-                                const float *x, long stride, int nrows);
+                                const float *x, long stride, const int *idx, int nrows);
 } coli_kernel_table;
 
 #define COLI_KERNEL_TABLE(isa, sfx)                                                       \
@@ -287,20 +287,20 @@ static inline void coli_dots_f32(const float *x, int n, const float *base, long 
     coli_kt.dots_f32(x, n, base, stride, idx, nrows, out);
 }
 
-/* out[q * ostride + r] = coli_dot_f32(x + q * xstride, base + r * stride): several queries over the
- * same rows, each bit-identical to its own coli_dots_f32 */
+/* out[q * ostride + r] = coli_dot_f32(x + q * xstride, row_r), row_r = base + (idx ? idx[r] : r) *
+ * stride: several queries over the same rows, each bit-identical to its own coli_dots_f32 */
 static inline void coli_dots_f32_multi(const float *x, long xstride, int nq, int n, const float *base, long stride,
-                                       int nrows, float *out, long ostride)
+                                       const int *idx, int nrows, float *out, long ostride)
 {
-    coli_kt.dots_f32_multi(x, xstride, nq, n, base, stride, nrows, out, ostride);
+    coli_kt.dots_f32_multi(x, xstride, nq, n, base, stride, idx, nrows, out, ostride);
 }
 
-/* y_q += sum_r c[q * cstride + r] * (x + r * stride), y_q = y + q * ystride, for q < nq: each output
- * bit-identical to its own coli_axpy_rows_f32 */
+/* y_q += sum_r c[q * cstride + r] * row_r, y_q = y + q * ystride, for q < nq (rows as above): each
+ * output bit-identical to its own coli_axpy_rows_f32 */
 static inline void coli_axpy_rows_f32_multi(float *y, long ystride, int nq, int n, const float *c, long cstride,
-                                            const float *x, long stride, int nrows)
+                                            const float *x, long stride, const int *idx, int nrows)
 {
-    coli_kt.axpy_rows_f32_multi(y, ystride, nq, n, c, cstride, x, stride, nrows);
+    coli_kt.axpy_rows_f32_multi(y, ystride, nq, n, c, cstride, x, stride, idx, nrows);
 }
 
 static inline void coli_dots_q8f32(const float *x, int n, const int8_t *w, long rb, int nrows, float *out)

@@ -107,7 +107,7 @@ def test_long_batch_holds_few_experts_at_once(tmp_path):
 
 @pytest.mark.parametrize("model", ["tiny_mtp", "int4"])
 def test_expanded_attention_blocks_are_bit_identical_to_rows(model, int4):
-    """Expanded attention takes EXPANDED_ROWS query rows of a head together (their common keys
+    """Expanded attention takes ATTN_BLOCK query rows of a head together (their common keys
     through the multi-query kernels, each row's later keys alone): one forward of the prompt equals
     forwards of pieces whose rows fall into other blocks, and rows one at a time (tiny_mtp: causal
     keys; int4 of tiny_dsa past index_topk: DSA selections, each row on its own)."""
@@ -160,3 +160,24 @@ def test_prefill_rejects_a_negative_batch():
     m.kv_alloc(16)
     with pytest.raises(ValueError, match="batch must be >= 0"):
         m.prefill([1, 2, 3], 0, batch=-1)
+
+
+def test_absorbed_attention_head_blocks_are_bit_identical_to_decode(int4):
+    """Absorbed prompt attention takes ATTN_BLOCK heads of a row together (the row's keys read
+    once for them, through the multi-query kernels, with the DSA selection's indices: the int4
+    container of tiny_dsa, past index_topk): a 40-row forward in chunks of 32 (Model.attention)
+    equals forwards of <= 17 rows, which attend one head at a time in the decode step."""
+    ids = _prompt(40, 256)
+    whole = model_init(int4, absorb=1)
+    whole.prefill_chunk = 32
+    whole.kv_alloc(len(ids) + 1)
+    ref = whole.step_all(ids, 0)
+    assert whole._work(len(ids), len(ids)).C == 32
+    parts = model_init(int4, absorb=1)
+    parts.kv_alloc(len(ids) + 1)
+    got, pos = [], 0
+    for n in [9, 17, 3, 11]:
+        got.append(parts.step_all(ids[pos:pos + n], pos))
+        pos += n
+    assert pos == len(ids)
+    np.testing.assert_array_equal(np.concatenate(got), ref)

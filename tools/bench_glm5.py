@@ -11,7 +11,11 @@ process with ``--stats-json``:
    (``--direct``, O_DIRECT), from a cold page cache (every shard's pages dropped with
    posix_fadvise DONTNEED first) and warm (the same run again, the page cache filled by it);
    load time and resident bytes against the plan, read GB/s against fio, peak RSS against the budget.
-4. prefill of a ``--prefill``-token prompt.
+4. prefill of a ``--prefill``-token prompt (default 2048) with experts streaming under the budget,
+   its routing traced (``--trace``): time to first token, the prompt's pieces (``--batch``), the
+   expert bytes it read against the bound of reading every routed expert it needs once per piece
+   and layer; and in one process each layer's prefill time (Model.prefill's per-layer progress),
+   projected to the full model's time to first token (3 dense + 75 MoE layers).
 5. a context of ``--ctx`` tokens (past index_topk, so the DSA selection runs): decode tok/s there
    and the KV bytes.
 6. per-layer costs in one process (attention + MLP of the dense layer, the MoE layers, the head),
@@ -97,6 +101,53 @@ def colibri_run(model: str, ids: list, tokens: int, ram: float, threads: int, wo
     s["prefill_tok_s"] = s["prefill_tokens"] / s["prefill_s"] if s["prefill_s"] > 0 else None
     s.pop("tokens", None)
     return s
+
+
+def prefill_reads(trace: str, stats: dict) -> dict:
+    """The prefill's expert reads against reading each routed expert it needs once per piece:
+    the bound sums, over the prompt's forwards (pieces of prefill_batch rows) and their MoE
+    calls, the distinct experts times their bytes (from the --trace file)."""
+    pieces = -(-stats["prefill_tokens"] // max(stats["prefill_batch"], 1))
+    with open(trace) as f:
+        header = json.loads(f.readline())
+        calls = [json.loads(line) for line in f if line.strip()]
+    first = min((c["f"] for c in calls), default=0)
+    bound = sum(len(c["e"]) * header["expert_bytes"][str(c["l"])] for c in calls if c["f"] < first + pieces)
+    return {"pieces": pieces, "read_bytes": stats["prefill_bytes_read"], "once_per_piece_bytes": bound,
+            "at_most_once": stats["prefill_bytes_read"] <= bound}
+
+
+def prefill_layer_worker(model: str, ram: float, n: int) -> None:
+    """Prefill an n-token prompt once, timing every layer of every piece (Model.prefill's progress
+    comes after each layer) and the head."""
+    from colibri import _core, tiers
+    m = _core.model_init(model)
+    c = m.cfg
+    ids = prompt_ids(n, c.vocab, 1)
+    t = tiers.configure(m, n + 8, ram_gb=ram, autopin=False, learn=False)
+    m.kv_alloc(n + 8)
+    stamps = []
+    t0 = time.perf_counter()
+    m.prefill(ids, 0, batch=t.batch, progress=lambda done, total: stamps.append(time.perf_counter()))
+    t_end = time.perf_counter()
+    layer_s = [0.0] * c.n_layers
+    prev = t0
+    for k, ts in enumerate(stamps):          # piece p's layer j is stamp p * n_layers + j
+        layer_s[k % c.n_layers] += ts - prev
+        prev = ts
+    emit_worker_result({"tokens": n, "batch": t.batch, "layer_s": layer_s, "head_s": t_end - prev,
+                        "total_s": t_end - t0, "sparse": list(c.sparse), "bytes_read": m.bytes_read})
+    m.close()
+
+
+def project_ttft(pl: dict, n_dense: int = FULL_DENSE, n_moe: int = FULL_MOE) -> dict:
+    """Time to first token of the full model's prefill from the slice's per-layer prefill times."""
+    dense = [t for t, sp in zip(pl["layer_s"], pl["sparse"]) if not sp]
+    moe = [t for t, sp in zip(pl["layer_s"], pl["sparse"]) if sp]
+    t_dense = statistics.mean(dense) if dense else 0.0
+    t_moe = statistics.mean(moe)
+    return {"dense_layer_s": t_dense, "moe_layer_s": t_moe, "head_s": pl["head_s"],
+            "ttft_s": n_dense * t_dense + n_moe * t_moe + pl["head_s"]}
 
 
 def plan_json(model: str, ram: float, ctx: int) -> dict:
@@ -208,6 +259,25 @@ def render(res: dict) -> str:
                  f"{fmt(s['decode_forward_tok_s'])} | {fmt(100 * s['hit_rate'], 1)}% | {fmt(s['read_gb_s'])} | "
                  f"{fmt(s['read_gb_s'] / best if best and s['read_gb_s'] else None)} | "
                  f"{s['peak_rss_bytes'] / 2**30:.2f} GiB | {s['peak_rss_bytes'] <= s['ram_budget_bytes']} |")
+    pf = res.get("prefill")
+    if pf:
+        r, ttft = pf.get("reads") or {}, pf.get("projection") or {}
+        s = res["runs"].get(f"prefill {pf['tokens']}") or {}
+        if "error" in s or "error" in r:
+            L.append(f"\nprefill {pf['tokens']}: error {s.get('error') or r.get('error')}")
+        else:
+            L.append(f"\nprefill {pf['tokens']} tokens in {r['pieces']} piece(s) of <= {s['prefill_batch']} "
+                     f"(experts streaming under --ram {res['ram']}): time to first token {s['ttft_s']:.2f} s "
+                     f"({fmt(s['prefill_tok_s'], 1)} tok/s); experts read {r['read_bytes'] / 1e9:.2f} GB, "
+                     f"each needed expert once per piece and layer: {r['once_per_piece_bytes'] / 1e9:.2f} GB "
+                     f"-> at most once per piece: {'yes' if r['at_most_once'] else 'NO'}")
+        if ttft and "error" not in ttft:
+            L.append(f"projection of the time to first token to {FULL_DENSE} dense + {FULL_MOE} MoE layers: dense "
+                     f"layer {ttft['dense_layer_s']:.2f} s, MoE layer {ttft['moe_layer_s']:.2f} s, head "
+                     f"{ttft['head_s']:.2f} s -> {ttft['ttft_s']:.0f} s for {pf['tokens']} tokens "
+                     f"({pf['tokens'] / ttft['ttft_s']:.1f} tok/s)")
+        elif ttft:
+            L.append(f"projection of the time to first token: error {ttft['error']}")
     lng = res["runs"].get("context")
     if lng and "error" not in lng:
         L.append(f"\ncontext {lng['prefill_tokens']} tokens: prefill {lng['prefill_s']:.1f} s, decode "
@@ -225,6 +295,22 @@ def render(res: dict) -> str:
     return "\n".join(L)
 
 
+def run_prefill(a, vocab: int, res: dict) -> None:
+    """Step 4: the traced prefill run, its reads, and the per-layer projection of its TTFT."""
+    trace = os.path.join(a.work, "glm5_prefill_trace.jsonl")
+    s = colibri_run(a.model, prompt_ids(a.prefill, vocab, 1), 4, a.ram, a.threads, a.work, "prefill",
+                    ["--trace", trace])
+    res["runs"][f"prefill {a.prefill}"] = s
+    res["prefill"] = pf = {"tokens": a.prefill}
+    pf["reads"] = s if "error" in s else prefill_reads(trace, s)
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+    pl = worker_result(_run([sys.executable, os.path.abspath(__file__), "--worker-prefill", "--model", a.model,
+                             "--ram", str(a.ram), "--prefill", str(a.prefill)], env=env,
+                            what="per-layer prefill costs"))
+    pf["layers"] = pl
+    pf["projection"] = pl if "error" in pl else project_ttft(pl)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -232,7 +318,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True, help="slice folder (tools/make_glm5_slice.py)")
     ap.add_argument("--ram", type=float, default=8.0, help="RAM budget in GB (default 8)")
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens per run (default 64)")
-    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill run (default 512)")
+    ap.add_argument("--prefill", type=int, default=2048, help="prompt tokens of the prefill run (default 2048)")
+    ap.add_argument("--only-prefill", action="store_true",
+                    help="only the prefill run, its reads and its time-to-first-token projection")
     ap.add_argument("--ctx", type=int, default=6000, help="context of the long run (default 6000; 0 = skip)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--fio-seconds", type=int, default=5, help="seconds per fio measurement (default 5)")
@@ -240,9 +328,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write every number here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--direct", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-prefill", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         layer_worker(a.model, a.ram, a.tokens, a.direct)
+        return 0
+    if a.worker_prefill:
+        prefill_layer_worker(a.model, a.ram, a.prefill)
         return 0
     os.makedirs(a.work, exist_ok=True)
     with open(os.path.join(a.model, "config.json")) as f:
@@ -253,6 +345,14 @@ def main(argv=None) -> int:
            "layers": nl, "disk_bytes": sum(os.path.getsize(p) for p in shards(a.model)), "runs": {},
            "projection": {}}
     res["plan"] = plan_json(a.model, a.ram, 16 + a.tokens + 2)
+    if a.only_prefill:
+        run_prefill(a, vocab, res)
+        res["fio_before"] = res["fio_after"] = {}
+        print(render(res))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     res["fio_before"] = fio_best(expert_shard, a.fio_seconds)
     short = prompt_ids(16, vocab)
     res["runs"]["cold O_DIRECT"] = colibri_run(a.model, short, a.tokens, a.ram, a.threads, a.work, "direct",
@@ -260,8 +360,7 @@ def main(argv=None) -> int:
     drop_page_cache(a.model)
     res["runs"]["cold page cache"] = colibri_run(a.model, short, a.tokens, a.ram, a.threads, a.work, "cold")
     res["runs"]["warm page cache"] = colibri_run(a.model, short, a.tokens, a.ram, a.threads, a.work, "warm")
-    res["runs"][f"prefill {a.prefill}"] = colibri_run(a.model, prompt_ids(a.prefill, vocab, 1), 4, a.ram,
-                                                      a.threads, a.work, "prefill")
+    run_prefill(a, vocab, res)
     if a.ctx:
         res["runs"]["context"] = colibri_run(a.model, prompt_ids(a.ctx, vocab, 2), 16, a.ram, a.threads, a.work,
                                              "context")

@@ -320,24 +320,25 @@ static void check_float_rows(int isa)
             for (long i = 0; i < xstride * NQ; i++) x[i] = rndf() * 2.0f;
             for (long i = 0; i < ostride * NQ; i++) c[i] = rndf();
             for (int r = 0; r < nr; r++) idx[r] = (int)(rnd() % NRMAX);
-            for (int nq = 1; nq <= NQ; nq++) {
+            for (int nq = 1; nq <= NQ; nq++)
+            for (int use_idx = 0; use_idx < 2; use_idx++) {
                 for (long i = 0; i < ostride * NQ; i++) out[i] = -7.0f;
-                coli_dots_f32_multi(x, xstride, nq, n, rows, stride, nr, out, ostride);
+                coli_dots_f32_multi(x, xstride, nq, n, rows, stride, use_idx ? idx : NULL, nr, out, ostride);
                 for (int q = 0; q < NQ; q++)
                     for (int r = 0; r < ostride; r++) {
                         float got = out[q * ostride + r];
                         if (q < nq && r < nr)
-                            CHECK(same_bits(got, coli_dot_f32(x + q * xstride, rows + r * stride, n)),
+                            CHECK(same_bits(got, coli_dot_f32(x + q * xstride, rows + (long)(use_idx ? idx[r] : r) * stride, n)),
                                   "dots_f32_multi isa=%d n=%d nr=%d nq=%d q=%d r=%d", isa, n, nr, nq, q, r);
                         else
                             CHECK(got == -7.0f, "dots_f32_multi wrote past isa=%d n=%d nr=%d", isa, n, nr);
                     }
                 for (long i = 0; i < ystride * NQ; i++) y[i] = (float)(i % 13) * 0.25f;
-                coli_axpy_rows_f32_multi(y, ystride, nq, n, c, ostride, rows, stride, nr);
+                coli_axpy_rows_f32_multi(y, ystride, nq, n, c, ostride, rows, stride, use_idx ? idx : NULL, nr);
                 for (int q = 0; q < NQ; q++) {
                     for (int i = 0; i < n; i++) yr[i] = (float)((q * ystride + i) % 13) * 0.25f;
                     if (q < nq)
-                        coli_axpy_rows_f32_scalar(yr, n, c + q * ostride, rows, stride, NULL, nr);
+                        coli_axpy_rows_f32_scalar(yr, n, c + q * ostride, rows, stride, use_idx ? idx : NULL, nr);
                     CHECK(memcmp(yr, y + q * ystride, sizeof(float) * (size_t)n) == 0,
                           "axpy_rows_f32_multi isa=%d n=%d nr=%d nq=%d q=%d", isa, n, nr, nq, q);
                     for (int i = n; i < ystride; i++)
