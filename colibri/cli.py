@@ -74,7 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
 
     r = sub.add_parser("run", help="generate a continuation of a prompt",
-                       description="Generate from a prompt (text, or token ids with --prompt-ids).")
+                       description="Generate from a prompt (text, or token ids with --prompt-ids).",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="examples:\n"
+                              "  python -m colibri run \"def fibonacci(n):\"                  # the embedded model\n"
+                              "  python -m colibri run -m /data/glm52 \"Hello\" -n 128 --ram 24\n"
+                              "  python -m colibri run -m DIR --prompt-ids 3,14,15 -t 0 --stats-json stats.json\n"
+                              "  python -m colibri run -m DIR -p \"$(cat long_prompt.txt)\" --batch 512   "
+                              "# prefill in pieces of 512 tokens")
     r.add_argument("prompt", nargs="?", default=None, help="prompt text (needs tokenizer.json in the model)")
     r.add_argument("--prompt", "-p", dest="prompt_text", default=None, metavar="TEXT",
                    help="the prompt text as an option (instead of the positional PROMPT)")

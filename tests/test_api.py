@@ -159,3 +159,22 @@ def test_glm_tokenizers_get_the_glm5_chat_format(llm, monkeypatch):
     assert llm.chat_format_note().endswith("has no chat template (chat_template.jinja, or chat_template in "
                                            "tokenizer_config.json); using GLM-5's chat format "
                                            "([gMASK]<sop><|role|>text...)")
+
+
+def test_batch_option_prefills_in_pieces_with_the_same_text(llm):
+    """Options(batch=N) (COLI_BATCH, chat/serve --batch): the prompt in pieces of <= N tokens, the
+    same tokens; the completion's stats give the time to first token."""
+    prompt = "import os\nimport sys\n\ndef main(argv):\n    " * 3
+    want = llm.complete(prompt, max_tokens=24, draft=0)
+    assert api.Options.from_env({"COLI_BATCH": "20"}).batch == 20
+    with pytest.raises(ValueError, match="batch"):
+        api.Options(batch=-1)
+    small = colibri.load(temperature=0, batch=20)
+    try:
+        assert small.tiers.batch == 20
+        got = small.complete(prompt, max_tokens=24, draft=0)
+    finally:
+        small.close()
+    assert got.prompt_tokens >= 40 and got.token_ids == want.token_ids     # >= 2 pieces
+    s = got.stats
+    assert s["prefill_s"] <= s["ttft_s"] <= s["prefill_s"] + s["decode_s"]
