@@ -1523,6 +1523,9 @@ PILOT_MAX_ROWS = 8
 # A long batch's routed experts are read this many at a time, the next group while one is
 # multiplied: 2 · 8 = the 16 experts beyond capacity the RAM plan allows a call (budget.py).
 STREAM_GROUP = 8
+# Prefill forwards of this many rows or more use the experts they load in place in the file mapping
+# (Model.map_stream; COLIBRI_MMAP=0 turns it off with the rest of the mapping).
+MAP_STREAM_MIN_ROWS = int(os.environ.get("COLIBRI_MAP_STREAM_ROWS", "256"))
 cdef enum:
     DIRECT_ALIGN = 4096     # O_DIRECT: offsets, sizes and buffers aligned to this (logical block size)
 
@@ -1696,6 +1699,8 @@ cdef class Model:
     cdef public object lookahead                  # PrefetchPolicy: prefetch only while it pays
     cdef public bint direct                       # O_DIRECT reads of expert payloads
     cdef public bint mapped                       # container experts used in place in the file mapping
+    cdef public bint map_stream                   # ... those a long prefill streams (MAP_STREAM_MIN_ROWS)
+    cdef bint _streaming                          # a long prefill's MoE call is loading experts now
     cdef bint _mapped_made                        # ... and at least one has been (_check_mapped)
     cdef object _direct_fds, _io, _slabs, _arena, _expert_layouts, _row_files
     cdef object _gsplit                           # split activation rows for group-scaled int4 (see _split_scratch)
@@ -1909,7 +1914,7 @@ cdef class Model:
             lay = self._expert_layouts.get((li, eid))
             if lay is None:
                 lay = self._expert_layouts[(li, eid)] = _ExpertLayout(st, names)
-            if self.mapped and not own:
+            if (self.mapped or (self.map_stream and self._streaming)) and not own:
                 return self._expert_mapped(eid, lay, names, shapes)
             slab, base = self._read_payloads(lay, own)
             scales = self._read_scales(lay)
@@ -1964,6 +1969,11 @@ cdef class Model:
         _map_in(lay.spans, lay)
         self.bytes_read += E.nbytes
         return E
+
+    def mapped_experts_used(self):
+        """Whether some expert has been used in place in the file mapping (Model.mapped, or a long
+        prefill's streamed experts, Model.map_stream)."""
+        return bool(self._mapped_made)
 
     def _release_expert(self, E):
         """on_evict hook of the expert cache: a mapped expert's pages leave the process's RSS (they
@@ -2694,6 +2704,11 @@ cdef class Model:
         cdef int[::1] uniq = ws.uniq
         cdef int g0, G = max(self.stream_group, 1)
         ids = [uniq[u] for u in range(nu)]
+        # a long prompt multiplies each expert it reads by many rows, once: the experts it loads
+        # are used in place in the file mapping (map_stream), not copied into buffers first (on 2
+        # cores the copy and the fresh buffers' page zeroing took the matmuls' CPU: GLM-5 slice,
+        # 1024-token prefill from the page cache, 14.4-15.6 s mapped vs 24.8-26.8 s read)
+        self._streaming = S >= MAP_STREAM_MIN_ROWS
         t0 = time.perf_counter()
         fetch = self.cache.fetch(L.index, ids[:G])
         self.t_disk += time.perf_counter() - t0
@@ -2707,6 +2722,7 @@ cdef class Model:
                 self._expert_ffns(experts, g0, n, out, ws)
                 self.t_moe += time.perf_counter() - t0
         finally:
+            self._streaming = False
             if fetch is not None:
                 try:
                     fetch.wait()          # release the next group's experts
@@ -3038,7 +3054,7 @@ cdef class Model:
         """Every layer on x [S, D]; returns the rows computed to the end (S, unless a drop_plan
         dropped trailing rows)."""
         if self._layers_ok(S, pos_base, self._work(S, pos_base + S)):
-            if self.mapped:
+            if self._mapped_made:
                 self._check_mapped(-1)      # the C path uses mapped experts in place, past the cache's guard
             return self._layers_c(x, S, pos_base)
         for L in self.layers:
@@ -3364,7 +3380,7 @@ cdef class Model:
             raise EngineError(f"MTP KV rows {p}..{p + G - 1} exceed the cache")
         if not 0 <= next_tok < self.embed.c.O:
             raise ValueError(f"token id {next_tok} is outside the vocabulary [0, {self.embed.c.O})")
-        if self.mapped:
+        if self._mapped_made:
             self._check_mapped(NL)
         b["k0"][0] = k0
         b["h0"][:] = self.hlast
@@ -4521,7 +4537,9 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m._expert_layouts = {}
     m._row_files = {}
     m._io = _IoClock()
-    m.mapped = not direct and _maps_experts(m) and _mappable_experts(m)
+    mappable = not direct and _mappable_experts(m)
+    m.mapped = mappable and _maps_experts(m)
+    m.map_stream = mappable and os.environ.get("COLIBRI_MMAP", "auto").strip().lower() != "0"
     # Rows of the cache: every layer index (dense ones stay empty) plus the MTP row.
     m.cache = ExpertCache(m.expert_load, cfg.n_layers + 1, m.cache_experts, io_threads=io_threads,
                           prefetch=mode != "off", n_experts=cfg.n_experts)
@@ -4536,8 +4554,9 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     if m.etab == NULL:
         raise MemoryError()
     m.cache.on_change = m._on_cache_change
-    if m.mapped:
+    if mappable:        # a no-op until an expert is used in place (_check_mapped)
         m.cache.guard = m._check_mapped
+    if m.mapped:
         # evicted experts stay mapped while a call may still use them (the RAM plan's call allowance)
         m.cache.set_keep_bytes(EXTRA_CALL_EXPERTS * max(_expert_disk_bytes(m.st, li) for li in range(cfg.n_layers + 1)))
     m.reset_stats()

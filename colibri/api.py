@@ -33,7 +33,7 @@ class Options:
     ``pin_gb`` explicit pins from a stats file; ``warm_experts`` read every expert at load when all
     fit in the budget; ``idot`` matmul numerics (see the README);
     ``context`` KV positions (0 = the model's context, at most 4096); ``batch`` prompt tokens per
-    prefill forward (0 = up to 2048, fewer where the budget is small; the result is the same).
+    prefill forward (0 = the whole prompt, in pieces only where the budget is small; the same result).
     Generation defaults: ``max_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``draft``
     ('auto' or a depth 0..16)."""
     cache_experts: int = 0

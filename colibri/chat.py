@@ -199,4 +199,4 @@ def add_arguments(p) -> None:
     p.add_argument("--draft", default="auto", metavar="N|auto", help="speculative draft depth (default auto)")
     p.add_argument("--no-save", action="store_true", help="do not save or reopen the conversation")
     p.add_argument("--batch", type=int, default=0, metavar="N",
-                   help="prompt tokens per prefill forward (0 = up to 2048, fewer where the budget is small)")
+                   help="prompt tokens per prefill forward (0 = the whole prompt, in pieces only where the RAM budget is small)")

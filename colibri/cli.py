@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch", "-b", type=int, default=0, metavar="N",
                    help="prompt tokens per prefill forward: longer prompts go in near-equal pieces of at "
                         "most N (bounded scratch; each streamed expert read once per piece and layer; the "
-                        "same result). 0 = the default: up to 2048, fewer where the RAM budget is small")
+                        "same result). 0 = the default: the whole prompt, in pieces only where the RAM budget is small")
     r.add_argument("--stats-json", default=None, metavar="FILE", help="write run statistics as JSON")
     r.add_argument("--trace", default=None, metavar="FILE",
                    help="record the routing (experts requested per MoE layer call) as JSON Lines, for "

@@ -592,7 +592,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefetch", action="store_true", help="plan as 'run --no-prefetch'")
     parser.add_argument("--batch", type=int, default=0, metavar="N",
                         help="prompt rows per prefill forward, as 'run --batch' (0 = run's default: "
-                             "the context up to 2048 rows, fewer where the budget is small)")
+                             "the whole context, in pieces only where the budget is small)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 

@@ -203,7 +203,7 @@ def tier_stats(model, tiers, wall_s: float) -> dict:
         "mtp_hit_rate": model.cache.row_hit_rate(model.cfg.n_layers) if model.has_mtp else None,
         "mtp_tier_bytes": tiers.mtp_tier_bytes,
         "hits_lru": cs["hits_lru"], "hits_kept": cs["hits_kept"], "kept_bytes": cs["kept_bytes"],
-        "experts_mapped": bool(getattr(model, "mapped", False)),
+        "experts_mapped": bool(getattr(model, "mapped", False)) or model.mapped_experts_used(),
         "prefetch_waits": cs["prefetch_waits"], "misses": cs["misses"], "loads": cs["loads"],
         "read_gb_s": io["read_gb_s"], "disk_busy_s": io["disk_busy_s"],
         "prefetch_issued": cs["prefetch_issued"], "prefetch_loaded": cs["prefetch_loaded"],

@@ -1004,7 +1004,7 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="KV positions (0 = the model's context, at most 4096)")
     g.add_argument("--threads", type=int, default=None, help="OpenMP threads (0 = all cores)")
     g.add_argument("--batch", type=int, default=None, metavar="N",
-                   help="prompt tokens per prefill forward (0 = up to 2048, fewer where the budget is small)")
+                   help="prompt tokens per prefill forward (0 = the whole prompt, in pieces only where the RAM budget is small)")
     g.add_argument("--io-threads", type=int, default=None, metavar="N", help="concurrent expert reads")
     g.add_argument("--idot", type=int, default=None, choices=(0, 1, 2), help="int8/int4 matmul path")
     g.add_argument("--pin", default=None, metavar="STATS", help="pin the most used experts of a stats file")

@@ -63,25 +63,25 @@ def _float_matrix_bytes(O: int, I: int, bits: int) -> int:
     return O * (I if bits == 8 else (I + 1) // 2) + 4 * O
 
 
-#: Prompt rows per prefill forward by default at most (``--batch``; llama.cpp's n_batch default),
-#: halved down to MIN_BATCH while a forward's scratch would pass WORK_SHARE of the RAM budget.
-DEFAULT_BATCH = 2048
+#: The default ``--batch``: the whole context in one prefill forward (each streamed expert read
+#: once per layer), halved down to MIN_BATCH rows while the forward's scratch would pass
+#: WORK_SHARE of the RAM budget (every piece reads the experts it needs again).
 MIN_BATCH = 256
 WORK_SHARE = 0.125
 
 
 def prefill_batch(model, ctx: int, ram_gb=None, requested: int = 0) -> int:
     """Rows per prefill forward (Model.prefill's batch) in a context of ctx positions: requested
-    when > 0, else the whole context up to DEFAULT_BATCH rows, halved (not below MIN_BATCH) while
-    the forward's scratch (work_bytes_estimate) would take more than WORK_SHARE of the budget
-    (ram_gb, else 0.88 x available memory)."""
+    when > 0, else the whole context, halved (not below MIN_BATCH) while the forward's scratch
+    (work_bytes_estimate) would take more than WORK_SHARE of the budget (ram_gb, else 0.88 x
+    available memory)."""
     if requested < 0:
         raise ValueError(f"--batch must be >= 1 (or 0 for the default), got {requested}")
     if requested:
         return int(requested)
     ctx = max(int(ctx), 1)
     budget = _gb(ram_gb) if ram_gb is not None else int(_budget.BUDGET_FRACTION * _budget.mem_available_bytes())
-    n = min(ctx, DEFAULT_BATCH)
+    n = ctx
     while n > MIN_BATCH and budget > 0 and work_bytes_estimate(model, ctx, n) > WORK_SHARE * budget:
         n = max(n // 2, MIN_BATCH)
     return max(n, 1)

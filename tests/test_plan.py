@@ -338,17 +338,17 @@ def test_model_without_moe_layers_plans_as_configure(tmp_path, monkeypatch):
 
 
 def test_default_batch_follows_the_budget():
-    """run's default --batch (tiers.prefill_batch): the context up to DEFAULT_BATCH rows, halved
-    (not below MIN_BATCH) while a forward's scratch passes WORK_SHARE of the budget; the plan
-    reports it and counts the scratch of that batch; an explicit batch is kept."""
+    """run's default --batch (tiers.prefill_batch): the whole context, halved (not below
+    MIN_BATCH) while a forward's scratch passes WORK_SHARE of the budget; the plan reports it and
+    counts the scratch of that batch; an explicit batch is kept."""
     m = _core.model_init(MODELS["tiny_dsa"])
     ctx = 4096
     assert tiers.prefill_batch(m, 100, ram_gb=8) == 100
-    assert tiers.prefill_batch(m, ctx, ram_gb=8) == tiers.DEFAULT_BATCH
+    assert tiers.prefill_batch(m, ctx, ram_gb=8) == ctx
     assert tiers.prefill_batch(m, ctx, ram_gb=8, requested=77) == 77
-    full = tiers.work_bytes_estimate(m, ctx, tiers.DEFAULT_BATCH)
+    full = tiers.work_bytes_estimate(m, ctx, ctx)
     small = tiers.prefill_batch(m, ctx, ram_gb=full / tiers.WORK_SHARE / 1e9 / 3)
-    assert tiers.MIN_BATCH <= small < tiers.DEFAULT_BATCH
+    assert tiers.MIN_BATCH <= small < ctx
     assert tiers.work_bytes_estimate(m, ctx, small) < full
     assert tiers.prefill_batch(m, ctx, ram_gb=1e-6) == tiers.MIN_BATCH
     r = plan.build_report(MODELS["tiny_dsa"], ctx=ctx, ram_gb=full / tiers.WORK_SHARE / 1e9 / 3)

@@ -181,3 +181,34 @@ def test_absorbed_attention_head_blocks_are_bit_identical_to_decode(int4):
         pos += n
     assert pos == len(ids)
     np.testing.assert_array_equal(np.concatenate(got), ref)
+
+
+def test_long_prefill_multiplies_streamed_experts_in_place(int4, monkeypatch):
+    """A prefill forward of MAP_STREAM_MIN_ROWS rows or more uses the experts it streams in place
+    in the file mapping (no copy into buffers): the same logits and KV as reading them
+    (COLIBRI_MMAP=0), the same bytes counted, and decode afterwards unchanged."""
+    monkeypatch.setattr(_core, "MAP_STREAM_MIN_ROWS", 64)
+    ids = _prompt(100, 256)
+
+    def run(env):
+        if env is None:
+            monkeypatch.delenv("COLIBRI_MMAP", raising=False)
+        else:
+            monkeypatch.setenv("COLIBRI_MMAP", env)
+        m = model_init(int4, cache_experts=3, prefetch=False)
+        m.kv_alloc(len(ids) + 8)
+        logits = m.step(ids, 0)
+        prefill_read = m.bytes_read
+        after = [m.step([t], len(ids) + i) for i, t in enumerate(ids[:4])]
+        return m, logits, prefill_read, after
+
+    a, la, ra, da = run("0")
+    b, lb, rb, db = run(None)
+    assert not a.map_stream and not a.mapped_experts_used()
+    assert b.map_stream and not b.mapped and b.mapped_experts_used()
+    np.testing.assert_array_equal(la, lb)
+    for x, y in zip(da, db):
+        np.testing.assert_array_equal(x, y)
+    for i in range(len(a.Lc)):
+        np.testing.assert_array_equal(a.Lc[i], b.Lc[i])
+    assert ra == rb > 0
