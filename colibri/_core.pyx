@@ -1523,8 +1523,8 @@ PILOT_MAX_ROWS = 8
 # A long batch's routed experts are read this many at a time, the next group while one is
 # multiplied: 2 · 8 = the 16 experts beyond capacity the RAM plan allows a call (budget.py).
 STREAM_GROUP = 8
-# Prefill forwards of this many rows or more use the experts they load in place in the file mapping
-# (Model.map_stream; COLIBRI_MMAP=0 turns it off with the rest of the mapping).
+# With COLIBRI_MAP_STREAM=1 (Model.map_stream), prefill forwards of this many rows or more use the
+# experts they load in place in the file mapping.
 MAP_STREAM_MIN_ROWS = int(os.environ.get("COLIBRI_MAP_STREAM_ROWS", "256"))
 cdef enum:
     DIRECT_ALIGN = 4096     # O_DIRECT: offsets, sizes and buffers aligned to this (logical block size)
@@ -2704,10 +2704,9 @@ cdef class Model:
         cdef int[::1] uniq = ws.uniq
         cdef int g0, G = max(self.stream_group, 1)
         ids = [uniq[u] for u in range(nu)]
-        # a long prompt multiplies each expert it reads by many rows, once: the experts it loads
-        # are used in place in the file mapping (map_stream), not copied into buffers first (on 2
-        # cores the copy and the fresh buffers' page zeroing took the matmuls' CPU: GLM-5 slice,
-        # 1024-token prefill from the page cache, 14.4-15.6 s mapped vs 24.8-26.8 s read)
+        # with map_stream a long prompt, which multiplies each expert it reads by many rows once,
+        # uses the experts it loads in place in the file mapping instead of copying them into
+        # buffers (on 2 cores the copy and the fresh buffers' page zeroing take the matmuls' CPU)
         self._streaming = S >= MAP_STREAM_MIN_ROWS
         t0 = time.perf_counter()
         fetch = self.cache.fetch(L.index, ids[:G])
@@ -4539,7 +4538,10 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m._io = _IoClock()
     mappable = not direct and _mappable_experts(m)
     m.mapped = mappable and _maps_experts(m)
-    m.map_stream = mappable and os.environ.get("COLIBRI_MMAP", "auto").strip().lower() != "0"
+    # opt-in (COLIBRI_MAP_STREAM=1): the prefill gains, but the experts it leaves mapped in the LRU
+    # slow the decode after it (GLM-5 slice, 1024-token prompt: prefill 15.6-25.4 s vs 22.8-30.4 s,
+    # decode 2.0-2.4 vs 6.6-7.1 tok/s)
+    m.map_stream = mappable and os.environ.get("COLIBRI_MAP_STREAM", "0").strip() == "1"
     # Rows of the cache: every layer index (dense ones stay empty) plus the MTP row.
     m.cache = ExpertCache(m.expert_load, cfg.n_layers + 1, m.cache_experts, io_threads=io_threads,
                           prefetch=mode != "off", n_experts=cfg.n_experts)

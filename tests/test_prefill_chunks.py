@@ -184,17 +184,14 @@ def test_absorbed_attention_head_blocks_are_bit_identical_to_decode(int4):
 
 
 def test_long_prefill_multiplies_streamed_experts_in_place(int4, monkeypatch):
-    """A prefill forward of MAP_STREAM_MIN_ROWS rows or more uses the experts it streams in place
-    in the file mapping (no copy into buffers): the same logits and KV as reading them
-    (COLIBRI_MMAP=0), the same bytes counted, and decode afterwards unchanged."""
+    """With COLIBRI_MAP_STREAM=1 a prefill forward of MAP_STREAM_MIN_ROWS rows or more uses the
+    experts it streams in place in the file mapping (no copy into buffers): the same logits and KV
+    as reading them (the default), the same bytes counted, and decode afterwards unchanged."""
     monkeypatch.setattr(_core, "MAP_STREAM_MIN_ROWS", 64)
     ids = _prompt(100, 256)
 
     def run(env):
-        if env is None:
-            monkeypatch.delenv("COLIBRI_MMAP", raising=False)
-        else:
-            monkeypatch.setenv("COLIBRI_MMAP", env)
+        monkeypatch.setenv("COLIBRI_MAP_STREAM", "0" if env == "0" else "1")
         m = model_init(int4, cache_experts=3, prefetch=False)
         m.kv_alloc(len(ids) + 8)
         logits = m.step(ids, 0)
