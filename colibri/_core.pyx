@@ -3164,7 +3164,7 @@ cdef class Model:
                 if h is not None:
                     h[a:b] = x
                 done = b
-                if self.has_mtp and self.mtp_absorb_prefill and b - a >= 1 and a + 1 < S:
+                if self.has_mtp and self.mtp_absorb_prefill and a + 1 < S:
                     nxt = ids[a + 1:b + 1]          # the token after each row of the piece
                     self.mtp_absorb(nxt, x[:len(nxt)], pos_base + a)
         finally:
@@ -3694,14 +3694,16 @@ cdef void attend_expanded_rows(const float *q, const float *kvb, const float *Rc
     cdef const float *rh = Rc + <Py_ssize_t>k0 * dr
     cdef float *o = ctx + <Py_ssize_t>s0 * H * dv + <Py_ssize_t>h * dv         # [nb, H·dv] row stride
     cdef float *sc
+    cdef bint selected = False
     if nsel != NULL:
         for r in range(nb):
-            if nsel[s0 + r] > 0:              # a DSA selection: every row on its own
-                for r in range(nb):
-                    attend_expanded(q + <Py_ssize_t>(s0 + r) * H * dq, kvb, Rc, sel + <Py_ssize_t>(s0 + r) * topk,
-                                    nsel[s0 + r], k0, pos_base + s0 + r, h, H, dn, dr, dv, scale, tbuf,
-                                    ctx + <Py_ssize_t>(s0 + r) * H * dv)
-                return
+            selected = selected or nsel[s0 + r] > 0
+    if selected:                              # a DSA selection: every row on its own
+        for r in range(nb):
+            attend_expanded(q + <Py_ssize_t>(s0 + r) * H * dq, kvb, Rc, sel + <Py_ssize_t>(s0 + r) * topk,
+                            nsel[s0 + r], k0, pos_base + s0 + r, h, H, dn, dr, dv, scale, tbuf,
+                            ctx + <Py_ssize_t>(s0 + r) * H * dv)
+        return
     # scores of row r: tbuf[r·ts + j] (q_nope·k_nope), tbuf[r·ts + ts/2 + j] (q_rope·k_rope)
     coli_dots_f32_multi(qh, H * dq, nb, dn, kh, W, NULL, nk0, tbuf, ts)
     coli_dots_f32_multi(qh + dn, H * dq, nb, dr, rh, dr, NULL, nk0, tbuf + ts // 2, ts)
@@ -3725,40 +3727,15 @@ cdef void attend_expanded_rows(const float *q, const float *kvb, const float *Rc
                            W, NULL, r)
 
 
-cdef void attend_absorbed(const QTc *kv_b, const float *q, const float *Lc, const float *Rc,
-                          const int *sel, int nsel, int k0, int pos, int h, int H, int dn, int dr, int dv,
-                          int Lkv, float scale, float *tbuf, float *ctx) noexcept nogil:
-    """One (row, head) of absorbed attention, entirely in the kv_lora latent space:
-    qabs = W_k,hᵀ q_nope; score_t = qabs·Lc_t + q_rope·Rc_t; ctx = W_v,h (Σ_t p_t Lc_t)."""
-    cdef int dq = dn + dr, j, i, nk = nsel if nsel > 0 else pos + 1 - k0
-    cdef const float *qh = q + <Py_ssize_t>h * dq
-    cdef float *qabs = tbuf
-    cdef float *clat = tbuf + Lkv
-    cdef float *sc = tbuf + 2 * Lkv
-    cdef int base = h * (dn + dv)
-    for i in range(Lkv):
-        qabs[i] = 0.0
-        clat[i] = 0.0
-    cdef float *sr = sc + nk                          # the rope part of the scores
-    cdef const int *keys = sel if nsel > 0 else NULL  # rows of Lc / Rc: sel[j], or k0 + j
-    cdef Py_ssize_t first = 0 if nsel > 0 else k0
-    qt_addrows(kv_b, base, dn, qh, sc, qabs)        # sc: scratch until the scores are written
-    coli_dots_f32(qabs, Lkv, Lc + first * Lkv, Lkv, keys, nk, sc)
-    coli_dots_f32(qh + dn, dr, Rc + first * dr, dr, keys, nk, sr)
-    for j in range(nk):
-        sc[j] = (sc[j] + sr[j]) * scale
-    softmax_inplace(sc, nk)
-    coli_axpy_rows_f32(clat, Lkv, sc, Lc + first * Lkv, Lkv, keys, nk)
-    qt_rowdots_f(kv_b, base + dn, dv, clat, ctx + h * dv)
-
-
 cdef void attend_absorbed_heads(const QTc *kv_b, const float *q, const float *Lc, const float *Rc,
                                 const int *sel, int nsel, int k0, int pos, int h0, int h1, int H, int dn,
                                 int dr, int dv, int Lkv, float scale, float *tbuf, float *ctx) noexcept nogil:
-    """Heads h0..h1-1 of one row of absorbed attention, each bit-identical to attend_absorbed: the
-    heads share the row's keys (the latents Lc and rotated keys Rc of its window or DSA selection),
-    so their scores and latent sums go through the multi-query kernels, which read each key once
-    for all of them. tbuf: per head qabs [Lkv], clat [Lkv] and scores [max(2·nk, dn)]."""
+    """Heads h0..h1-1 of one row of absorbed attention, entirely in the kv_lora latent space:
+    qabs = W_k,hᵀ q_nope; score_t = qabs·Lc_t + q_rope·Rc_t; ctx = W_v,h (Σ_t p_t Lc_t). Keys: the
+    DSA selection sel[:nsel] when nsel > 0, else the causal window k0..pos. The heads share the
+    row's keys, so their scores and latent sums go through the multi-query kernels, which read each
+    key once for all of them and give each head what it computes alone (decode: one head an item).
+    tbuf: per head qabs [Lkv], clat [Lkv] and scores [max(2·nk, dn)]."""
     cdef int dq = dn + dr, nh = h1 - h0, j, t, i, nk = nsel if nsel > 0 else pos + 1 - k0
     cdef Py_ssize_t ss = 2 * nk if 2 * nk > dn else dn                  # a head's score floats
     cdef Py_ssize_t hs = 2 * Lkv + ss                                  # a head's tbuf floats
@@ -3971,11 +3948,11 @@ cdef void attend_step(LayerStep *P) noexcept nogil:
             s = item // H
             h = item % H
             rope_interleave(P.q + <Py_ssize_t>s * H * dq + h * dq + P.dn, P.dr, P.pos_base + s, P.inv)
-            attend_absorbed(P.kv_b, P.q + <Py_ssize_t>s * H * dq, P.Lc, P.Rc,
-                            P.sel + <Py_ssize_t>s * P.topk if P.nsel != NULL else NULL,
-                            P.nsel[s] if P.nsel != NULL else 0, P.k0,
-                            P.pos_base + s, h, H, P.dn, P.dr, P.dv, P.Lkv, P.scale,
-                            P.tbuf + t * P.tstride, P.ctx + <Py_ssize_t>s * H * P.dv)
+            attend_absorbed_heads(P.kv_b, P.q + <Py_ssize_t>s * H * dq, P.Lc, P.Rc,
+                                  P.sel + <Py_ssize_t>s * P.topk if P.nsel != NULL else NULL,
+                                  P.nsel[s] if P.nsel != NULL else 0, P.k0,
+                                  P.pos_base + s, h, h + 1, H, P.dn, P.dr, P.dv, P.Lkv, P.scale,
+                                  P.tbuf + t * P.tstride, P.ctx + <Py_ssize_t>s * H * P.dv)
         # 7. o_proj
         for item in prange(1, schedule='static'):
             quant_split(P.ctx, S, H * P.dv, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
