@@ -23,7 +23,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-__all__ = ["mem_available_bytes", "linux_mem_available_bytes", "RamPlan", "plan_ram", "BUDGET_FRACTION", "FALLBACK_BUDGET",
+__all__ = ["mem_available_bytes", "linux_mem_available_bytes", "RamPlan", "plan_ram", "budget_bytes", "BUDGET_FRACTION", "FALLBACK_BUDGET",
            "PAGE_CACHE_RESERVE_MAX", "EXTRA_CALL_EXPERTS"]
 
 BUDGET_FRACTION = 0.88              # share of MemAvailable the engine may plan for
@@ -222,6 +222,18 @@ class RamPlan:
                 + (f"; {'; '.join(self.notes)}" if self.notes else ""))
 
 
+def budget_bytes(ram_bytes=None, mem_available=None):
+    """The RAM budget: (bytes, where it comes from, a note or None). ``ram_bytes`` when given, else
+    BUDGET_FRACTION × ``mem_available`` (default: :func:`mem_available_bytes`), else
+    FALLBACK_BUDGET when that is unknown."""
+    if ram_bytes is not None:
+        return int(ram_bytes), "given", None
+    avail = mem_available_bytes() if mem_available is None else int(mem_available)
+    if avail > 0:
+        return int(BUDGET_FRACTION * avail), f"{BUDGET_FRACTION:g} × available {_gb(avail)}", None
+    return FALLBACK_BUDGET, "assumed", f"available memory unknown: assuming a {_gb(FALLBACK_BUDGET)} budget"
+
+
 def plan_ram(resident_bytes, kv_bytes, work_bytes, expert_bytes, n_moe_rows, n_experts,
              requested_capacity, pin_bytes=0, ram_bytes=None, mtp_expert_bytes=None,
              page_cache_reserve=None, *, extra_call_experts=EXTRA_CALL_EXPERTS, streaming=None,
@@ -288,17 +300,10 @@ def plan_ram(resident_bytes, kv_bytes, work_bytes, expert_bytes, n_moe_rows, n_e
     notes = []
 
     if ram_bytes is not None:
-        budget = nonneg("ram_bytes", ram_bytes)
-        source = "given"
-    else:
-        avail = mem_available_bytes() if mem_available is None else int(mem_available)
-        if avail > 0:
-            budget = int(BUDGET_FRACTION * avail)
-            source = f"{BUDGET_FRACTION:g} × available {_gb(avail)}"
-        else:
-            budget = FALLBACK_BUDGET
-            source = "assumed"
-            notes.append(f"available memory unknown: assuming a {_gb(budget)} budget")
+        nonneg("ram_bytes", ram_bytes)
+    budget, source, note = budget_bytes(ram_bytes, mem_available)
+    if note:
+        notes.append(note)
 
     row_sum = n_moe_rows * expert_bytes + mtp_eb       # one expert in every row
     max_eb = max(expert_bytes, mtp_eb)

@@ -297,21 +297,18 @@ def build_report(model_dir, *, dense_bits: int = 32, expert_bits: int = 32, ctx=
         raise PlanError(f"{model_dir}: no such directory")
     cfg = load_config(model_dir)
     ctx = _ctx_for(cfg, ctx)
-    if batch < 0:
-        raise PlanError(f"--batch must be >= 1 (or 0 for the default), got {batch}")
-    budget_gb = ram_gb if ram_gb is not None or not mem_available else _budget.BUDGET_FRACTION * mem_available / 1e9
     with SafeTensorsDir(model_dir) as st:
-        rep = _report(st, cfg, model_dir, dense_bits, expert_bits, ctx, batch, budget_gb)
+        rep = _report(st, cfg, model_dir, dense_bits, expert_bits, ctx, batch, ram_gb, mem_available)
     _add_ram(rep, cfg, ctx, ram_gb, cache_experts, prefetch, runtime_bytes, mem_available, mtp_tier)
     return rep
 
 
-def _report(st, cfg, model_dir, dense_bits, expert_bits, ctx, batch=0, budget_gb=None) -> dict:
+def _report(st, cfg, model_dir, dense_bits, expert_bits, ctx, batch=0, ram_gb=None, mem_available=None) -> dict:
     from .tiers import prefill_batch
     acc = _Acc(st, dense_bits, expert_bits)
     notes = acc.notes
     has_dsa = cfg.dsa and indexer_missing(cfg, st, model_dir) is None
-    batch = prefill_batch(SimpleNamespace(cfg=cfg, has_dsa=has_dsa), ctx, budget_gb, batch)  # as `run` picks it
+    batch = prefill_batch(SimpleNamespace(cfg=cfg, has_dsa=has_dsa), ctx, ram_gb, batch, mem_available)  # as `run`
     has_mtp = _has_mtp(st, cfg.n_layers)
 
     # embeddings and head: f32 unless --dense-bits 4 (model_init's io_bits)

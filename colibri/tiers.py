@@ -70,17 +70,17 @@ MIN_BATCH = 256
 WORK_SHARE = 0.125
 
 
-def prefill_batch(model, ctx: int, ram_gb=None, requested: int = 0) -> int:
+def prefill_batch(model, ctx: int, ram_gb=None, requested: int = 0, mem_available=None) -> int:
     """Rows per prefill forward (Model.prefill's batch) in a context of ctx positions: requested
     when > 0, else the whole context, halved (not below MIN_BATCH) while the forward's scratch
-    (work_bytes_estimate) would take more than WORK_SHARE of the budget (ram_gb, else 0.88 x
-    available memory)."""
+    (work_bytes_estimate) would take more than WORK_SHARE of the RAM plan's budget
+    (budget.budget_bytes of ram_gb and mem_available)."""
     if requested < 0:
         raise ValueError(f"--batch must be >= 1 (or 0 for the default), got {requested}")
     if requested:
         return int(requested)
     ctx = max(int(ctx), 1)
-    budget = _gb(ram_gb) if ram_gb is not None else int(_budget.BUDGET_FRACTION * _budget.mem_available_bytes())
+    budget, _, _ = _budget.budget_bytes(_gb(ram_gb), mem_available)
     n = ctx
     while n > MIN_BATCH and budget > 0 and work_bytes_estimate(model, ctx, n) > WORK_SHARE * budget:
         n = max(n // 2, MIN_BATCH)
@@ -190,7 +190,13 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
     row when the plan takes the MTP tier (budget.MTP_TIER_SHARE; pass False without drafting).
     batch: prompt rows per prefill forward (prefill_batch; 0 = its default), kept in Tiers.batch."""
     c = model.cfg
-    batch = prefill_batch(model, ctx, ram_gb, batch)
+    avail = None
+    if ram_gb is None:
+        # the budget counts what this process holds already (the resident weights model_init
+        # loaded are no longer in MemAvailable, and the projection counts them)
+        avail = _budget.mem_available_bytes()
+        avail = avail + current_rss_bytes() if avail > 0 else None
+    batch = prefill_batch(model, ctx, ram_gb, batch, avail)
     rows = expert_bytes_by_row(model)
     main = [b for b in rows[:c.n_layers] if b > 0]
     if not main:                                   # no routed experts at all: nothing to size
@@ -203,10 +209,7 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
               n_experts=c.n_experts, requested_capacity=requested, ram_bytes=_gb(ram_gb),
               mtp_expert_bytes=rows[c.n_layers] or None, prefetch=prefetch, mtp_tier=mtp_tier)
     if ram_gb is None:
-        # the budget counts what this process holds already (the resident weights model_init
-        # loaded are no longer in MemAvailable, and the projection counts them)
-        avail = _budget.mem_available_bytes()
-        kw["mem_available"] = avail + current_rss_bytes() if avail > 0 else None
+        kw["mem_available"] = avail
     plan = _budget.plan_ram(**kw)
     t = Tiers(plan=plan, batch=batch)
     if learn or autopin:

@@ -142,10 +142,7 @@ def prefill_layer_worker(model: str, ram: float, n: int) -> None:
 
 def project_ttft(pl: dict, n_dense: int = FULL_DENSE, n_moe: int = FULL_MOE) -> dict:
     """Time to first token of the full model's prefill from the slice's per-layer prefill times."""
-    dense = [t for t, sp in zip(pl["layer_s"], pl["sparse"]) if not sp]
-    moe = [t for t, sp in zip(pl["layer_s"], pl["sparse"]) if sp]
-    t_dense = statistics.mean(dense) if dense else 0.0
-    t_moe = statistics.mean(moe)
+    t_dense, t_moe = layer_means(pl["layer_s"], pl["sparse"])
     return {"dense_layer_s": t_dense, "moe_layer_s": t_moe, "head_s": pl["head_s"],
             "ttft_s": n_dense * t_dense + n_moe * t_moe + pl["head_s"]}
 
@@ -209,15 +206,18 @@ def run_layer_worker(model, ram, tokens, threads, direct) -> dict:
     return worker_result(_run(cmd, env=env, what=f"per-layer costs ({'O_DIRECT' if direct else 'page cache'})"))
 
 
+def layer_means(layer_s: list, sparse: list) -> tuple:
+    """(mean seconds of the dense layers (0 without one), of the MoE layers)."""
+    dense = [t for t, sp in zip(layer_s, sparse) if not sp]
+    return (statistics.mean(dense) if dense else 0.0), statistics.mean(t for t, sp in zip(layer_s, sparse) if sp)
+
+
 def project(layers: dict, fio_gbs, n_dense: int = FULL_DENSE, n_moe: int = FULL_MOE) -> dict:
     """Seconds per token of a model with n_dense + n_moe layers from the slice's per-layer costs:
     as measured (the slice's hit rate), and with every routed expert read from disk at fio's best
     rate (a cold token: topk experts per MoE layer) on top of the measured compute."""
-    dense = [t for t, sp in zip(layers["layer_s"], layers["sparse"]) if not sp]
-    moe = [t for t, sp in zip(layers["layer_s"], layers["sparse"]) if sp]
-    t_dense = statistics.mean(dense) if dense else 0.0
-    t_moe = statistics.mean(moe)
-    per_moe_disk = layers["time_disk_wait_s"] / max(len(moe), 1)
+    t_dense, t_moe = layer_means(layers["layer_s"], layers["sparse"])
+    per_moe_disk = layers["time_disk_wait_s"] / max(sum(layers["sparse"]), 1)
     measured = layers["head_s"] + n_dense * t_dense + n_moe * t_moe
     out = {"dense_layer_s": t_dense, "moe_layer_s": t_moe, "head_s": layers["head_s"],
            "s_per_token_at_slice_hit_rate": measured}
