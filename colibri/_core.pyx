@@ -26,6 +26,7 @@ from .cache import ExpertCache
 from .config import Config, indexer_missing, load_config
 from .lookahead import PrefetchPolicy, parse_prefetch
 from .budget import EXTRA_CALL_EXPERTS
+from .options import switch
 from . import st as _st
 from . import quant as _quant
 
@@ -452,8 +453,7 @@ cdef inline int act_nblocks(int I, int block) noexcept nogil:
 # small products of single-token attention gain (attention of the bench fixture: 190 -> 105 µs a
 # layer at 64K). COLIBRI_PARALLEL_MIN_MACS overrides.
 _PASSIVE = os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
-cdef double PARALLEL_MIN_MACS = float(os.environ.get("COLIBRI_PARALLEL_MIN_MACS",
-                                                     (4 << 20) if _PASSIVE else (1 << 15)))
+cdef double PARALLEL_MIN_MACS = float(switch("PARALLEL_MIN_MACS") or ((4 << 20) if _PASSIVE else (1 << 15)))
 
 cdef enum:
     IDOT_FLOAT = 0      # dequant-on-use float dots (exact up to f32 summation order)
@@ -464,21 +464,21 @@ cdef enum:
 # The integer matmuls pass each activation block's sum to the tiles, which then need one vpdpbusd
 # per 64 weights and activation row (bit-identical; COLIBRI_BLOCK_SUMS=0 turns it off, for A/B
 # measurements).
-cdef bint BLOCK_SUMS = os.environ.get("COLIBRI_BLOCK_SUMS", "1") != "0"
+cdef bint BLOCK_SUMS = switch("BLOCK_SUMS") != "0"
 # Decode matmuls take four weight rows per kernel call (int_group: the tiles); COLIBRI_GROUP_KERNELS=0
 # makes them one row per call, for A/B measurements (bit-identical either way).
-cdef bint GROUP_KERNELS = os.environ.get("COLIBRI_GROUP_KERNELS", "1") != "0"
-cdef int PREFETCH_GROUPS = int(os.environ.get("COLIBRI_PREFETCH_GROUPS", "4"))
+cdef bint GROUP_KERNELS = switch("GROUP_KERNELS") != "0"
+cdef int PREFETCH_GROUPS = int(switch("PREFETCH_GROUPS"))
 
 
 # Batches of at least GEMM_MIN_ROWS rows take the AMX-INT8 GEMM (coli_gemm.h) where the CPU has it
 # (COLIBRI_AMX=0 or select_amx(False) turns it off), else batches of GEMM_VNNI_MIN_ROWS rows or more
 # the AVX-512 VNNI GEMM (0: never); both bit-identical to the tiles. set_kernel_flags(gemm=False)
 # keeps every batch on the tiles (A/B runs, tests).
-cdef int GEMM_MIN_ROWS = int(os.environ.get("COLIBRI_GEMM_MIN_ROWS", "8"))
-cdef int GEMM_VNNI_MIN_ROWS = int(os.environ.get("COLIBRI_GEMM_VNNI_MIN_ROWS", "16"))
-cdef bint GEMM = os.environ.get("COLIBRI_GEMM", "1") != "0"
-coli_amx_select(os.environ.get("COLIBRI_AMX", "1") != "0")
+cdef int GEMM_MIN_ROWS = int(switch("GEMM_MIN_ROWS"))
+cdef int GEMM_VNNI_MIN_ROWS = int(switch("GEMM_VNNI_MIN_ROWS"))
+cdef bint GEMM = switch("GEMM") != "0"
+coli_amx_select(switch("AMX") != "0")
 
 
 def gemm_scratch_bytes(int S, int K, int nt):
@@ -949,7 +949,7 @@ cdef void matmul_many(const QTc **Ws, float **ys, int nW, const float *x, int S,
 # Rows up to which an MoE / dense MLP call runs fused (decode, and verify batches of up to 16 drafts).
 FUSED_MAX_ROWS = 17
 # Multiply-adds of a fused group below which it stays on one thread.
-cdef double FUSED_MIN_MACS = float(os.environ.get("COLIBRI_FUSED_MIN_MACS", 1 << 18))
+cdef double FUSED_MIN_MACS = float(switch("FUSED_MIN_MACS"))
 
 
 cdef struct FfnJob:
@@ -1525,7 +1525,7 @@ PILOT_MAX_ROWS = 8
 STREAM_GROUP = 8
 # With COLIBRI_MAP_STREAM=1 (Model.map_stream), prefill forwards of this many rows or more use the
 # experts they load in place in the file mapping.
-MAP_STREAM_MIN_ROWS = int(os.environ.get("COLIBRI_MAP_STREAM_ROWS", "256"))
+MAP_STREAM_MIN_ROWS = int(switch("MAP_STREAM_ROWS"))
 cdef enum:
     DIRECT_ALIGN = 4096     # O_DIRECT: offsets, sizes and buffers aligned to this (logical block size)
 
@@ -1575,7 +1575,7 @@ cdef int cmp_int_asc(const void *a, const void *b) noexcept nogil:
 # A forward of more rows than this runs its attention, dense MLP, shared expert and each routed
 # expert's FFN in row chunks of this size (prefill of long prompts): the scratch stays bounded by
 # the chunk while each routed expert is still read once per layer (bit-identical to one batch).
-PREFILL_CHUNK = int(os.environ.get("COLIBRI_PREFILL_CHUNK", "256"))
+PREFILL_CHUNK = int(switch("PREFILL_CHUNK"))
 
 
 def chunk_rows(int S, int chunk=0):
@@ -1685,7 +1685,6 @@ cdef class Model:
     cdef public Layer mtp
     cdef public QT eh_proj
     cdef public object enorm, hnorm, mtp_norm
-    cdef public bint mtp_absorb_prefill           # step() teaches the MTP KV the prompt's pairs
     cdef public int mtp_next                      # MTP KV rows kv_start..mtp_next-1 hold true pairs
     # Residual stream (before the final norm) of the last forward: all rows, and the last row
     cdef public object h_all, hlast
@@ -1706,7 +1705,7 @@ cdef class Model:
     cdef object _gsplit                           # split activation rows for group-scaled int4 (see _split_scratch)
     # Counters
     cdef public long long bytes_read, forwards, decode_forwards, emitted
-    cdef public object trace                      # None, or a list that collects (forward, layer, rows, experts)
+    cdef readonly object routing                  # None, or the list record_routing() collects: (forward, layer, rows, experts)
     # A verify forward's trailing draft rows may be dropped at an MoE layer whose experts they alone
     # would read from disk (_rows_to_keep): None, or (seconds per expert read, [P(row r's draft and
     # the ones before it accepted), r = 0 .. S-1], seconds an accepted draft saves per MoE layer
@@ -1773,7 +1772,7 @@ cdef class Model:
         """Whether this model interleaves the rows of the matrices only the integer tiles read
         (_lay_out): the integer path (idot 1 or 2) on AVX-512 VNNI, unless COLIBRI_INTERLEAVE=0."""
         return not (self.idot == IDOT_FLOAT or coli_isa_active() != COLI_ISA_AVX512VNNI or
-                    os.environ.get("COLIBRI_INTERLEAVE", "1").strip() == "0")
+                    switch("INTERLEAVE") == "0")
 
     def _interleave_resident(self):
         """Lay out for the tiles (_lay_out) the resident matrices that only the integer matmuls
@@ -2637,8 +2636,8 @@ cdef class Model:
         """out [S, D] (zeroed) += the routed experts of the batch union in ws, then the shared expert."""
         cdef int[::1] uniq = ws.uniq, ustart = ws.ustart
         cdef int u
-        if self.trace is not None:
-            self.trace.append((self.forwards, L.index, S, [uniq[u] for u in range(nu)]))
+        if self.routing is not None:
+            self.routing.append((self.forwards, L.index, S, [uniq[u] for u in range(nu)]))
         # Each unique expert once, in ascending id: gather its rows, FFN, scatter-add.
         if S > FUSED_MAX_ROWS:
             self._moe_streamed(L, n, S, out, ws, nu)
@@ -2953,8 +2952,8 @@ cdef class Model:
             if nu >= 0:
                 ids = rec_ids[l, :nu].tolist()
                 calls.append((l, ids))
-                if self.trace is not None:
-                    self.trace.append((self.forwards, l, S, ids))
+                if self.routing is not None:
+                    self.routing.append((self.forwards, l, S, ids))
         if calls:
             self.cache.note_hits_calls(calls)     # one call for the whole token: Python runs cold here
 
@@ -3122,24 +3121,24 @@ cdef class Model:
             raise EngineError("NaN in the logits (non-finite activations or weights)")
         return logits
 
-    def step(self, ids, int pos_base):
-        """Forward ids at pos_base..; logits of the last row [V] (spec §5.2). With the MTP head
-        active, the batch's verified pairs (token p+1, hidden p) are absorbed into its KV."""
+    def step(self, ids, int pos_base, bint absorb_mtp=False):
+        """Forward ids at pos_base..; logits of the last row [V] (glm.c step). absorb_mtp: the MTP
+        head (if any) absorbs the batch's pairs (token p+1, hidden p) into its KV."""
         x = self._forward(ids, pos_base)
         S = len(x)
-        if self.has_mtp and self.mtp_absorb_prefill and S >= 2:
+        if self.has_mtp and absorb_mtp and S >= 2:
             self.mtp_absorb(ids[1:], x[:S - 1], pos_base)
         return self.logits_rows(x[S - 1:])[0]
 
-    def prefill(self, ids, int pos_base=0, int batch=0, progress=None):
+    def prefill(self, ids, int pos_base=0, int batch=0, progress=None, bint absorb_mtp=False):
         """Forward a prompt at pos_base..; the logits of its last row [V], as step(). batch > 0:
         in forwards of at most batch rows (near-equal pieces, ceil(S / batch) of them): the
         scratch is bounded by the piece and each routed expert is read once per piece and layer.
         Every piece takes the attention path a single forward of the whole prompt takes, so the
         result does not depend on batch (pieces of <= FUSED_MAX_ROWS rows excepted: they run as
         decode batches). progress(rows_done, rows): after each layer of each piece (rows_done
-        counts a piece's rows in proportion to its layers). With mtp_absorb_prefill the MTP head
-        learns every (token p+1, hidden p) pair of the prompt, across the pieces' borders."""
+        counts a piece's rows in proportion to its layers). absorb_mtp: the MTP head (if any) learns
+        every (token p+1, hidden p) pair of the prompt, across the pieces' borders."""
         ids = [int(t) for t in ids]
         cdef int S = len(ids), n, size, a, b, k, done = 0, nl = len(self.layers)
         if S < 1:
@@ -3164,7 +3163,7 @@ cdef class Model:
                 if h is not None:
                     h[a:b] = x
                 done = b
-                if self.has_mtp and self.mtp_absorb_prefill and a + 1 < S:
+                if self.has_mtp and absorb_mtp and a + 1 < S:
                     nxt = ids[a + 1:b + 1]          # the token after each row of the piece
                     self.mtp_absorb(nxt, x[:len(nxt)], pos_base + a)
         finally:
@@ -3319,8 +3318,8 @@ cdef class Model:
         calls = [(NL, ids[i, :nu[i]].tolist()) for i in range(g0, g1) if nu[i] >= 0]
         if calls:
             self.cache.note_hits_calls(calls)
-            if self.trace is not None:
-                self.trace.extend((self.forwards, NL, 1, e) for _, e in calls)
+            if self.routing is not None:
+                self.routing.extend((self.forwards, NL, 1, e) for _, e in calls)
 
     cdef int _fill_chain(self, Work ws, FfnScratch fs, dict b) except -1:
         """self._chain: the draft chain's pointers into ws, fs, the buffers b and the weights,
@@ -3462,7 +3461,6 @@ cdef class Model:
         cdef bint greedy = sampler.temperature <= 0
         cdef int carry_ban = -1, g, k, nxt, d, i
         out = []
-        self.mtp_absorb_prefill = False
         # MTP context, absorbed lazily: residual rows of positions whose (token, hidden) pair is not
         # yet in the MTP KV. Iterations without drafts cost nothing for the head; before the next
         # draft the missing rows are absorbed in one batched pass, so its context is always exact.
@@ -3587,6 +3585,24 @@ cdef class Model:
         return (f"{self.path} has no DSA indexer (missing {self.indexer_absent}): attention is dense; exact "
                 f"while the context fits in index_topk = {c.index_topk} tokens, dense instead of the "
                 f"model's top-{c.index_topk} selection beyond")
+
+    def set_cache_capacity(self, int capacity, bint prefetch=True, keep_bytes=None):
+        """Routed experts kept per layer in the LRU (colibri.tiers sizes it for the RAM budget):
+        ``keep_bytes`` of evicted experts stay in memory where the model keeps them (keeps_evicted);
+        the router-lookahead prefetch runs when asked, allowed by model_init's prefetch mode, and
+        not every expert fits."""
+        if not 1 <= capacity <= self.cfg.n_experts:
+            raise ValueError(f"cache capacity must be in 1..{self.cfg.n_experts}, got {capacity}")
+        self.cache.set_capacity(capacity)
+        if keep_bytes is not None and self.keeps_evicted():
+            self.cache.set_keep_bytes(int(keep_bytes))
+        self.cache_experts = capacity
+        self.pilot = prefetch and self.lookahead.mode != "off" and capacity < self.cfg.n_experts
+
+    def record_routing(self, bint on=True):
+        """Start (a fresh list) or stop collecting ``routing``: one (forward, layer, rows, unique
+        experts ascending) tuple per MoE layer call, for ``run --trace``."""
+        self.routing = [] if on else None
 
     def reset_stats(self):
         self.bytes_read = self.forwards = 0
@@ -4445,14 +4461,12 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
         ones past ABSORB_KV_BYTES of kv_b rows or when the DSA selection runs), 0 never, 1 always.
     io_threads: readers that load the missing experts of one MoE call concurrently.
     prefetch: router-lookahead prefetch of the next layer's experts (only when experts stream):
-        True / 'auto' = while it pays in wall time (colibri.lookahead; COLIBRI_PREFETCH=on|off|auto
-        overrides for A/B runs), 'on' always, False / 'off' never.
+        True / 'auto' = while it pays in wall time (colibri.lookahead), 'on' always, False / 'off'
+        never (Options.prefetch: COLIBRI_PREFETCH=on|off|auto for A/B runs).
     direct: read expert payloads with O_DIRECT (bypassing the OS page cache).
     """
     path = os.fspath(path)
     mode = parse_prefetch(prefetch)
-    if mode == "auto" and os.environ.get("COLIBRI_PREFETCH"):
-        mode = parse_prefetch(os.environ["COLIBRI_PREFETCH"])
     if io_threads < 1:
         raise ValueError(f"io_threads must be >= 1, got {io_threads}")
     cfg = load_config(path)
@@ -4463,7 +4477,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     if cache_experts < 0:
         raise ValueError(f"cache_experts must be >= 0, got {cache_experts}")
     if isa is None:
-        isa = os.environ.get("COLIBRI_ISA")
+        isa = switch("ISA")
     if isa:
         select_isa(isa)
     if threads:
@@ -4482,11 +4496,11 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.idot = idot
     m.act_block = act_block
     m.absorb = absorb
-    m.fused = os.environ.get("COLIBRI_FUSED", "1") != "0"
-    m.overlap = os.environ.get("COLIBRI_OVERLAP", "1") != "0"     # 0: for A/B measurements
+    m.fused = switch("FUSED") != "0"
+    m.overlap = switch("OVERLAP") != "0"     # 0: for A/B measurements
     m.prefill_chunk = PREFILL_CHUNK
     m.stream_group = STREAM_GROUP
-    m.stepped = os.environ.get("COLIBRI_STEP", "1") != "0"       # 0: call by call, for A/B runs
+    m.stepped = switch("STEP") != "0"       # 0: call by call, for A/B runs
     m.dsa_force = dsa_force
     m.dense_bits = dense_bits
     m.expert_bits = expert_bits
@@ -4518,7 +4532,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     # opt-in (COLIBRI_MAP_STREAM=1): the prefill gains, but the experts it leaves mapped in the LRU
     # slow the decode after it (GLM-5 slice, 1024-token prompt: prefill 15.6-25.4 s vs 22.8-30.4 s,
     # decode 2.0-2.4 vs 6.6-7.1 tok/s)
-    m.map_stream = mappable and os.environ.get("COLIBRI_MAP_STREAM", "0").strip() == "1"
+    m.map_stream = mappable and switch("MAP_STREAM") == "1"
     # Rows of the cache: every layer index (dense ones stay empty) plus the MTP row.
     m.cache = ExpertCache(m.expert_load, cfg.n_layers + 1, m.cache_experts, io_threads=io_threads,
                           prefetch=mode != "off", n_experts=cfg.n_experts)
@@ -4555,7 +4569,7 @@ def _maps_experts(Model m):
     an expert that stays in memory is multiplied faster in the interleaved layout than read in
     place in the file's (bench fixture, 4 experts per layer over the page cache, every one kept:
     decode 1.2x) and a read from the page cache costs about its bytes at copy speed, once."""
-    v = os.environ.get("COLIBRI_MMAP", "auto").strip().lower()
+    v = switch("MMAP").lower()
     if v not in ("0", "1", "auto"):
         raise ValueError(f"COLIBRI_MMAP={v!r}: expected 0, 1 or auto")
     return v == "1" or (v == "auto" and not m.lays_out())

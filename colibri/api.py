@@ -16,162 +16,23 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from dataclasses import dataclass, field, fields
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence
+
+from .options import Options, env_get
+from .session import Generation, Session
 
 __all__ = ["Options", "LLM", "Completion", "load"]
 
-
-@dataclass
-class Options:
-    """Engine and generation settings of an :class:`LLM`; every field has the CLI's default.
-
-    Engine: ``cache_experts`` experts per layer in the LRU (0 = as many as ``ram_gb`` allows);
-    ``ram_gb`` RAM budget (None = 0.88 x available); ``threads`` OpenMP threads (0 = all cores);
-    ``io_threads`` concurrent expert reads; ``prefetch`` router-lookahead prefetch; ``direct``
-    O_DIRECT expert reads; ``autopin`` pin hot experts from the saved routing history; ``pin`` /
-    ``pin_gb`` explicit pins from a stats file; ``warm_experts`` read every expert at load when all
-    fit in the budget; ``idot`` matmul numerics (see the README);
-    ``context`` KV positions (0 = the model's context, at most 4096); ``batch`` prompt tokens per
-    prefill forward (0 = the whole prompt, in pieces only where the budget is small; the same result).
-    Generation defaults: ``max_tokens``, ``temperature`` (0 = greedy), ``top_p``, ``draft``
-    ('auto' or a depth 0..16)."""
-    cache_experts: int = 0
-    ram_gb: Optional[float] = None
-    threads: int = 0
-    io_threads: int = 4
-    prefetch: bool = True
-    direct: bool = False
-    autopin: bool = True
-    pin: Optional[str] = None
-    pin_gb: Optional[float] = None
-    warm_experts: bool = True
-    idot: int = 2
-    context: int = 0
-    batch: int = 0
-    max_tokens: int = 256
-    temperature: float = 0.7
-    top_p: float = 0.9
-    draft: Union[str, int] = "auto"
-
-    @classmethod
-    def from_env(cls, env=None, **overrides) -> "Options":
-        """Options from ``COLI_<FIELD>`` environment variables (e.g. ``COLI_CACHE_EXPERTS=8``,
-        ``COLI_RAM_GB=16``, ``COLI_PREFETCH=0``), then ``overrides``."""
-        env = os.environ if env is None else env
-        kw = {}
-        for f in fields(cls):
-            raw = env.get("COLI_" + f.name.upper())
-            if raw is None:
-                continue
-            kw[f.name] = _parse_env(f, raw)
-        kw.update(overrides)
-        return cls(**kw)
-
-    def __post_init__(self):
-        from .draft import parse_draft
-        if self.cache_experts < 0:
-            raise ValueError(f"cache_experts must be >= 0, got {self.cache_experts}")
-        if self.io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
-        if self.context < 0:
-            raise ValueError(f"context must be >= 0, got {self.context}")
-        if self.batch < 0:
-            raise ValueError(f"batch must be >= 0 (0 = the default), got {self.batch}")
-        _check_sampling(self.max_tokens, self.temperature, self.top_p)
-        self.draft = parse_draft(self.draft)
-
-
-def _parse_env(f, raw: str):
-    name = "COLI_" + f.name.upper()
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    try:
-        if "bool" in kind:
-            if raw.strip().lower() in ("1", "true", "yes", "on"):
-                return True
-            if raw.strip().lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if "Optional[float]" in kind or kind == "float":
-            return float(raw)
-        if kind == "int":
-            return int(raw)
-        if "Union" in kind:            # draft
-            return raw.strip()
-        return raw
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a valid {kind}") from None
-
-
-def _check_sampling(max_tokens, temperature, top_p):
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    if not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-
-
-@dataclass
-class Completion:
-    """One generation: the text, its token ids, usage and why it ended ('stop' or 'length')."""
-    text: str
-    token_ids: List[int]
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
-    prefill_tokens: int = 0             # prompt tokens actually forwarded (the rest came from the KV cache)
-    stats: dict = field(default_factory=dict)
-
-
-class _Stop(Exception):
-    """Raised inside the engine's emit callback to end a generation early."""
-
-
-class _TextTail:
-    """Incremental detokenisation with stop strings: ``push(token)`` returns the new text that is
-    safe to show (never half a UTF-8 character, never the start of a possible stop string) and
-    raises _Stop once a stop string is complete; ``text`` is the final text (stop string cut)."""
-
-    def __init__(self, tok, stops: Sequence[str]):
-        self.tok, self.stops, self.ids = tok, [s for s in stops if s], []
-        self.text, self.shown = "", 0
-
-    def push(self, t: int) -> str:
-        self.ids.append(t)
-        if self.tok is None:
-            self.text += f"{t} "
-        else:
-            text = self.tok.decode(self.ids)
-            if text.endswith("\ufffd"):
-                return ""                   # an incomplete UTF-8 sequence: wait for the next token
-            self.text = text
-        for s in self.stops:
-            i = self.text.find(s, max(self.shown - len(s), 0))
-            if i >= 0:
-                self.text = self.text[:i]
-                raise _Stop
-        safe = len(self.text)
-        for s in self.stops:                # hold back a suffix that may grow into a stop string
-            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:k]):
-                    safe = min(safe, len(self.text) - k)
-                    break
-        piece = self.text[self.shown:safe] if safe > self.shown else ""
-        self.shown = max(self.shown, safe)
-        return piece
-
-    def rest(self) -> str:
-        piece = self.text[self.shown:]
-        self.shown = len(self.text)
-        return piece
+#: What :meth:`LLM.complete` returns: the text, its token ids, usage, why it ended
+#: (``finish_reason`` 'stop' or 'length'; ``stopped_by`` 'eos', 'stop', 'cancel' or 'length'), the
+#: seed used and the stats (see colibri.session.Generation).
+Completion = Generation
 
 
 class LLM:
     """A loaded model with its tokenizer, KV cache and expert tiers. Build it with :func:`load`."""
 
     def __init__(self, path: Optional[str] = None, options: Optional[Options] = None):
-        from . import tiers as _tiers
         from ._core import model_init
         from .tokenizer import load_chat_template, load_tokenizer
         if path is None:
@@ -179,23 +40,33 @@ class LLM:
             path = default_model_dir()
         self.path = os.fspath(path)
         self.options = options or Options()
-        o = self.options
         # the text files first: a damaged tokenizer or template fails before the weights are mapped
         self.tokenizer = load_tokenizer(self.path)
         self.chat_template = load_chat_template(self.path)
-        self.model = model_init(self.path, cache_experts=o.cache_experts, idot=o.idot, threads=o.threads,
-                                io_threads=o.io_threads, prefetch=o.prefetch, direct=o.direct)
+        self.model = model_init(self.path, **self.options.engine_kwargs())
         self.cfg = self.model.cfg
-        limit = self.cfg.max_positions or 4096
-        self.context = min(o.context or min(limit, 4096), limit)
-        self.tiers = _tiers.configure(self.model, self.context, requested=o.cache_experts, ram_gb=o.ram_gb,
-                                      pin=o.pin, pin_gb=o.pin_gb, autopin=o.autopin, prefetch=o.prefetch,
-                                      warm=o.warm_experts, mtp_tier=o.draft != 0, batch=o.batch)
-        self.model.kv_alloc(self.context)
-        self.eos = set(self.cfg.eos_ids)
-        self.history: List[int] = []       # tokens whose KV rows are valid, from position 0
-        self._draft_prior = None           # the last generation's draft policy (--draft auto)
-        self.lock = threading.Lock()
+        #: the generation driver: tiers, KV cache, token history (colibri.session)
+        self.session = Session(self.model, self.options, tokenizer=self.tokenizer)
+
+    @property
+    def context(self) -> int:
+        """KV positions of the conversation."""
+        return self.session.context
+
+    @property
+    def tiers(self):
+        return self.session.tiers
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while a generation runs."""
+        return self.session.lock
+
+    @property
+    def history(self) -> List[int]:
+        """The tokens whose KV rows are valid, from position 0 (a prompt sharing a prefix with them
+        prefills only the rest)."""
+        return self.session.history
 
     # -- text -------------------------------------------------------------------------------------
 
@@ -212,16 +83,7 @@ class LLM:
         return self.tokenizer.decode(list(ids))
 
     def _ids(self, prompt) -> List[int]:
-        if isinstance(prompt, str):
-            ids = self.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.cfg.vocab]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab})")
-        if not ids:
-            raise ValueError("the prompt encodes to no tokens")
-        return ids
+        return self.session.check_ids(self.encode(prompt) if isinstance(prompt, str) else prompt)
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -229,77 +91,11 @@ class LLM:
                  draft=None, on_text=None, cancel: Optional[threading.Event] = None) -> Completion:
         """Generate a continuation of ``prompt`` (text or token ids). ``stop``: strings that end the
         generation (not included in the text); ``on_text(piece)`` receives the text as it comes;
-        ``cancel`` (an Event) ends it early. Returns a :class:`Completion`."""
-        import time
-
-        from ._core import Sampler
-        from .draft import MAX_AUTO_DEPTH, DraftPolicy, parse_draft
-        o = self.options
-        max_tokens = o.max_tokens if max_tokens is None else max_tokens
-        temperature = o.temperature if temperature is None else temperature
-        top_p = o.top_p if top_p is None else top_p
-        _check_sampling(max_tokens, temperature, top_p)
-        draft = parse_draft(o.draft if draft is None else draft)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) for s in stops):
-            raise ValueError("stop must be a string or a list of strings")
-        ids = self._ids(prompt)
-        depth = draft if isinstance(draft, int) else MAX_AUTO_DEPTH
-        if len(ids) + max_tokens + depth + 2 > self.context:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                             f"{self.context} positions")
-        tail = _TextTail(self.tokenizer, stops)
-
-        first = []                               # when the first text reached on_text
-
-        def emit(t):
-            if cancel is not None and cancel.is_set():
-                raise _Stop
-            piece = tail.push(t)
-            if piece and on_text is not None:
-                on_text(piece)
-            if piece and not first:
-                first.append(time.perf_counter())
-
-        with self.lock:
-            m = self.model
-            t0 = time.perf_counter()
-            common = _common_prefix(self.history, ids, len(ids) - 1)
-            self.history = []                    # invalid until this request's KV is consistent
-            m.reset_stats()
-            m.mtp_absorb_prefill = m.has_mtp and isinstance(draft, int) and draft > 0
-            logits = m.prefill(ids[common:], common, batch=self.tiers.batch)
-            t_prefill = time.perf_counter() - t0
-            history = list(ids)
-            finish = "length"
-            policy = DraftPolicy(draft, prior=self._draft_prior)     # a session's requests learn on
-            try:
-                out, kv = m.spec_decode(history, len(ids), max_tokens, logits,
-                                        Sampler(self.cfg.vocab, temperature, top_p, seed), policy,
-                                        stops=self.eos, emit=emit)
-                self.history = history[:kv]
-                self._draft_prior = policy
-                if len(out) < max_tokens:
-                    finish = "stop"
-            except _Stop:
-                out = tail.ids
-                self.history = list(ids)         # the prompt's KV rows are intact; later ones may not be
-                finish = "stop"
-            m.cache.wait_prefetch()
-            last = tail.rest()
-            if last and on_text is not None:
-                on_text(last)
-            t_total = time.perf_counter() - t0
-            stats = {"prefill_s": t_prefill, "ttft_s": (first[0] - t0) if first else t_total,
-                     "decode_s": t_total - t_prefill,
-                     "decode_tok_s": len(out) / max(t_total - t_prefill, 1e-9),
-                     "tokens_per_forward": len(out) / max(m.decode_forwards, 1),
-                     "hit_rate": m.cache.stats["hit_rate"], "bytes_read": m.bytes_read,
-                     "mtp_hit_rate": m.cache.row_hit_rate(self.cfg.n_layers) if m.has_mtp else None,
-                     "decode_forwards": m.decode_forwards, **policy.stats()}
-        return Completion(text=tail.text, token_ids=list(out), prompt_tokens=len(ids),
-                          completion_tokens=len(out), finish_reason=finish, prefill_tokens=len(ids) - common,
-                          stats=stats)
+        ``cancel`` (an Event) ends it early. Settings left None come from the options. Returns a
+        :class:`Completion`."""
+        return self.session.generate(self._ids(prompt), max_tokens=max_tokens, temperature=temperature,
+                                     top_p=top_p, seed=seed, draft=draft, stop=stop or (), on_text=on_text,
+                                     cancel=cancel)
 
     def generate(self, prompt, **kw) -> str:
         """The generated text (see :meth:`complete` for the arguments)."""
@@ -407,14 +203,6 @@ class LLM:
         self.model.close()
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    n = min(len(a), len(b), max(limit, 0))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def _check_messages(messages) -> list:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
@@ -429,12 +217,12 @@ def _check_messages(messages) -> list:
 
 
 def load(path: Optional[str] = None, options: Optional[Options] = None, **kw) -> LLM:
-    """Load a model folder (default: the embedded model, or ``COLI_MODEL``) with ``Options``
-    (from ``COLI_*`` environment variables, then ``options``/keyword overrides)."""
+    """Load a model folder (default: ``COLIBRI_MODEL``, else the embedded model) with ``Options``
+    (from ``COLIBRI_*`` environment variables, then ``options``, then keyword overrides)."""
     if path is None:
-        path = os.environ.get("COLI_MODEL") or None
+        path = env_get(os.environ, "MODEL") or None
     if options is None:
         options = Options.from_env(**kw)
     elif kw:
-        options = Options(**{**{f.name: getattr(options, f.name) for f in fields(Options)}, **kw})
+        options = options.replace(**kw)
     return LLM(path, options)

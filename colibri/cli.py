@@ -1,69 +1,17 @@
-"""Command line: ``python -m colibri {run,convert,parity} ...``."""
+"""Command line: ``python -m colibri {run,convert,parity,chat,plan,serve} ...``.
+
+Every subcommand takes its settings from :mod:`colibri.options` (``add_arguments`` / ``from_args``:
+flags, then ``COLIBRI_*`` environment variables, then defaults); this module only builds the parser
+and dispatches. Nothing imports it.
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import ConfigError
-
-
-def _engine_options(p: argparse.ArgumentParser):
-    g = p.add_argument_group("engine")
-    g.add_argument("--cache-experts", type=int, default=0, metavar="N",
-                   help="routed experts cached per layer (LRU); 0 = as many as the RAM budget allows, "
-                        "up to all (default)")
-    g.add_argument("--dense-bits", type=int, default=32, choices=(4, 8, 32),
-                   help="precision of resident weights stored as floats in the model files "
-                        "(container files keep their own format; default 32 = f32)")
-    g.add_argument("--expert-bits", type=int, default=32, choices=(4, 8, 32),
-                   help="precision of routed experts stored as floats (default 32 = f32)")
-    g.add_argument("--idot", type=int, default=2, choices=(0, 1, 2),
-                   help="matmul path for int8/int4 weights: 2 = integer dots on Q8 activations + Q8 "
-                        "residual (default, near-float accuracy); 1 = Q8 activations only (fastest); "
-                        "0 = float dequant-on-use")
-    g.add_argument("--act-block", type=int, default=0, metavar="N",
-                   help="activation quantization block for integer dots: 0 = one scale per row "
-                        "(default), or a multiple of 64")
-    g.add_argument("--absorb", choices=("auto", "always", "never"), default="auto",
-                   help="absorbed MLA attention (latent space): auto = decode and speculative verify (<= 17 rows), "
-                        "and prefill once the expanded path's kv_b rows pass 16 MB or the DSA selection runs "
-                        "(default)")
-    g.add_argument("--dsa-force", action="store_true",
-                   help="run the DSA top-k selection even when the context fits in index_topk")
-    g.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: all cores)")
-
-
-def _tier_options(p: argparse.ArgumentParser):
-    g = p.add_argument_group("expert tiers and I/O")
-    g.add_argument("--ram", type=float, default=None, metavar="GB",
-                   help="RAM budget in GB for the expert cache sizing (default: 0.88 x available memory)")
-    g.add_argument("--pin", default=None, metavar="STATS",
-                   help="pin the most used experts of a stats file ('layer eid count' lines) in RAM")
-    g.add_argument("--pin-gb", type=float, default=None, metavar="GB",
-                   help="hot-store size for --pin (default 10 GB, capped by the budget)")
-    g.add_argument("--no-autopin", action="store_true",
-                   help="do not pin experts from the routing history saved next to the model")
-    g.add_argument("--no-prefetch", action="store_true",
-                   help="turn off the router-lookahead prefetch of the next layer's experts")
-    g.add_argument("--lazy-experts", action="store_true",
-                   help="when every expert fits in the budget, read each on its first use instead of all "
-                        "at start-up (a faster start for a short job; slower first tokens)")
-    g.add_argument("--direct", action="store_true",
-                   help="read expert payloads with O_DIRECT, bypassing the OS page cache")
-    g.add_argument("--io-threads", type=int, default=4, metavar="N",
-                   help="concurrent expert reads per MoE layer (default 4)")
-
-
-def engine_kwargs(args) -> dict:
-    kw = dict(cache_experts=args.cache_experts, dense_bits=args.dense_bits, expert_bits=args.expert_bits,
-              idot=args.idot, act_block=args.act_block,
-              absorb={"auto": -1, "never": 0, "always": 1}[args.absorb],
-              dsa_force=args.dsa_force, threads=args.threads)
-    if hasattr(args, "io_threads"):
-        if args.io_threads < 1:
-            raise ValueError(f"--io-threads must be >= 1, got {args.io_threads}")
-        kw.update(io_threads=args.io_threads, prefetch=not args.no_prefetch, direct=args.direct)
-    return kw
+from .options import add_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,28 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("prompt", nargs="?", default=None, help="prompt text (needs tokenizer.json in the model)")
     r.add_argument("--prompt", "-p", dest="prompt_text", default=None, metavar="TEXT",
                    help="the prompt text as an option (instead of the positional PROMPT)")
-    r.add_argument("--model", "-m", required=False, default=None, help="model directory")
+    r.add_argument("--model", "-m", required=False, default=None,
+                   help="model directory (default: COLIBRI_MODEL, else the embedded model)")
     r.add_argument("--prompt-ids", default=None, metavar="IDS", help="prompt as comma-separated token ids")
-    r.add_argument("--max-tokens", "-n", type=int, default=64, help="tokens to generate (default 64)")
-    r.add_argument("--temperature", "-t", type=float, default=0.7,
-                   help="sampling temperature; 0 = greedy (default 0.7)")
-    r.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
-    r.add_argument("--seed", type=int, default=None, help="RNG seed for sampling")
-    r.add_argument("--draft", default="auto", metavar="N|auto",
-                   help="speculative draft depth: auto (default) picks the depth, 0 included, that "
-                        "minimises wall time per token; N forces a depth (0 = off). Drafts come from "
-                        "the model's MTP head, else from n-gram prompt lookup")
-    r.add_argument("--batch", "-b", type=int, default=0, metavar="N",
-                   help="prompt tokens per prefill forward: longer prompts go in near-equal pieces of at "
-                        "most N (bounded scratch; each streamed expert read once per piece and layer; the "
-                        "same result). 0 = the default: the whole prompt, in pieces only where the RAM budget is small")
+    r.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the generation where the text contains TEXT (not printed); repeatable")
     r.add_argument("--stats-json", default=None, metavar="FILE", help="write run statistics as JSON")
     r.add_argument("--trace", default=None, metavar="FILE",
                    help="record the routing (experts requested per MoE layer call) as JSON Lines, for "
                         "tools/simulate_cache.py")
     r.add_argument("--quiet", "-q", action="store_true", help="print only the generated text")
-    _engine_options(r)
-    _tier_options(r)
+    add_arguments(r, max_tokens=64)
 
     c = sub.add_parser("convert", help="convert HF safetensors into the quantized container",
                        description="Convert an HF glm_moe_dsa checkpoint (bf16/f16/f32/FP8) into colibri's "
@@ -122,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--max-logit-diff", type=float, default=None,
                    help="also fail when the largest |Δlogit| exceeds this")
-    _engine_options(p)
+    add_arguments(p, groups=("engine",))
 
     h = sub.add_parser("chat", help="interactive conversation (streams answers, reopens after a restart)",
                        description="Chat with a model: answers stream as they are generated; :reset, :more, "
@@ -130,7 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and reopened by the next `chat` without prefilling old turns.")
     from . import chat
     chat.add_arguments(h)
-    _serving_engine_options(h)
 
     pl = sub.add_parser("plan", help="what will live in RAM and on disk, from the file headers alone",
                         description="Resident and expert bytes, the projected RAM peak, the cache and pin "
@@ -146,15 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
     from . import server
     server.add_arguments(sv)
     return ap
-
-
-def _serving_engine_options(p):
-    """Engine options of the long-running commands (chat, serve)."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--cache-experts", type=int, default=0, metavar="N",
-                   help="routed experts cached per layer (0 = as many as the RAM budget allows)")
-    g.add_argument("--threads", type=int, default=0, help="OpenMP threads (default: all cores)")
-    _tier_options(p)
 
 
 def main(argv=None) -> int:
@@ -186,6 +113,14 @@ def main(argv=None) -> int:
         if args.command == "serve":
             from .server import run
             return run(args)
+    except BrokenPipeError:
+        # the reader went away (`| head`): not an error; stdout is pointed at /dev/null so that
+        # Python's own flush at exit does not complain
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        return 0
     except (ConfigError, ValueError, OSError, RuntimeError) as e:
         print(f"colibri: error: {e}", file=sys.stderr)
         return 1

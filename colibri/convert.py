@@ -55,6 +55,7 @@ import numpy as np
 from . import quant
 from .config import parse_config, read_config_json, text_config
 from .st import DTYPE_SIZES, INDEX_NAME, ContainerError, SafeTensorsDir, TensorInfo, decode_f32, scan_file
+from .options import switch
 from .usage import fsync_dir, unlink_quietly, write_bytes_atomic
 
 __all__ = [
@@ -1002,8 +1003,8 @@ def run(args: argparse.Namespace, _stop_after_shards: Optional[int] = None) -> i
     were written.
     """
     stop = _stop_after_shards
-    if stop is None and os.environ.get(STOP_ENV):
-        stop = int(os.environ[STOP_ENV])
+    if stop is None and switch("CONVERT_STOP_AFTER"):
+        stop = int(switch("CONVERT_STOP_AFTER"))
     try:
         opts = ConvertOptions(expert_bits=args.expert_bits, dense_bits=args.dense_bits,
                               io_bits=args.io_bits, mtp_bits=args.mtp_bits,

@@ -55,10 +55,11 @@ def passed(res, max_logit_diff=None) -> bool:
 
 
 def run(args) -> int:
-    from .cli import engine_kwargs
     from ._core import model_init
+    from .options import from_args
+    opts = from_args(args)
     ref = load_ref(args.ref)
-    model = model_init(args.model, **engine_kwargs(args))
+    model = model_init(args.model, **opts.engine_kwargs())
     res = check(model, ref)
     ok = passed(res, args.max_logit_diff)
     if args.json:

@@ -575,35 +575,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``plan`` arguments to ``parser``."""
     parser.add_argument("model", nargs="?", default=None,
                         help="model directory (our container or an HF checkpoint; default: the embedded model)")
-    parser.add_argument("--dense-bits", type=int, default=32, choices=(4, 8, 32),
-                        help="precision the engine would give resident weights stored as floats (default 32)")
-    parser.add_argument("--expert-bits", type=int, default=32, choices=(4, 8, 32),
-                        help="precision the engine would give routed experts stored as floats (default 32)")
-    parser.add_argument("--ram", type=float, default=None, metavar="GB",
-                        help="RAM budget in GB (default: 0.88 x available memory)")
+    from .options import add_arguments as add_options
     parser.add_argument("--ctx", type=int, default=None, metavar="N",
                         help=f"context positions to plan the KV cache for (default {DEFAULT_CTX}, "
                              "clamped to max_position_embeddings)")
-    parser.add_argument("--cache-experts", type=int, default=0, metavar="N",
-                        help="experts per layer asked for, as 'run --cache-experts' (0 = as many as fit)")
-    parser.add_argument("--no-prefetch", action="store_true", help="plan as 'run --no-prefetch'")
-    parser.add_argument("--batch", type=int, default=0, metavar="N",
-                        help="prompt rows per prefill forward, as 'run --batch' (0 = run's default: "
-                             "the whole context, in pieces only where the budget is small)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    # the settings the plan depends on, as run takes them
+    add_options(parser, only=PLAN_OPTIONS)
+
+
+#: The colibri.options settings that change the plan.
+PLAN_OPTIONS = ("dense_bits", "expert_bits", "ram_gb", "cache_experts", "prefetch", "batch")
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan; returns 0, 1 (the budget cannot hold even one expert per layer) or 2 (bad input)."""
+    from .options import from_args
     try:
+        o = from_args(args)
         model = args.model
         if model is None:
             from .models import default_model_dir
             model = default_model_dir()
-        rep = build_report(model, dense_bits=args.dense_bits, expert_bits=args.expert_bits,
-                           ctx=getattr(args, "ctx", None), ram_gb=getattr(args, "ram", None),
-                           cache_experts=getattr(args, "cache_experts", 0) or 0,
-                           prefetch=not getattr(args, "no_prefetch", False), batch=getattr(args, "batch", 0) or 0)
+        rep = build_report(model, dense_bits=o.dense_bits, expert_bits=o.expert_bits, ctx=getattr(args, "ctx", None),
+                           ram_gb=o.ram_gb, cache_experts=o.cache_experts,
+                           prefetch=o.prefetch_enabled, batch=o.batch)
     except (ConfigError, ContainerError, PlanError, ValueError, OSError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"colibri plan: error: {msg}", file=sys.stderr)

@@ -3,28 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 
-import numpy as np
-
+from .options import env_get, from_args
+from .session import Session, positions_needed
+from .sysinfo import peak_rss_bytes
 from .tokenizer import load_tokenizer
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process. Linux: VmHWM of /proc/self/status (ru_maxrss would
-    include the peak of the process that forked us, which it keeps across exec); elsewhere
-    ru_maxrss (KiB on Linux, bytes on macOS)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(r) if sys.platform == "darwin" else int(r) * 1024
 
 
 def parse_ids(text: str, vocab: int) -> list:
@@ -40,140 +25,129 @@ def parse_ids(text: str, vocab: int) -> list:
     return ids
 
 
+def check_writable(path: str, flag: str) -> None:
+    """An output file's folder exists and takes a file: checked before the work that fills it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a folder")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
+
+
 def run(args) -> int:
-    from .cli import engine_kwargs
-    from ._core import Sampler, model_init
-    from .draft import MAX_AUTO_DEPTH, DraftPolicy, parse_draft
-    if args.model is None:
+    """The run subcommand: options checked, the prompt read, the model loaded, one generation."""
+    from ._core import model_init
+    opts = from_args(args)
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise ValueError("give the prompt as text or as --prompt-ids, not both")
+    if args.prompt is None and args.prompt_ids is None:
+        raise ValueError("give a PROMPT or --prompt-ids")
+    for path, flag in ((args.stats_json, "--stats-json"), (args.trace, "--trace")):
+        if path:
+            check_writable(path, flag)
+    model_dir = args.model or env_get(os.environ, "MODEL")
+    if not model_dir:
         from .models import default_model_dir
-        args.model = default_model_dir()
+        model_dir = default_model_dir()
         if not args.quiet:
-            print(f"[colibri] no --model given: using the embedded default model ({args.model})", file=sys.stderr)
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if not args.temperature >= 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if not 0 < args.top_p <= 1:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
-    draft_mode = parse_draft(args.draft)
-    tok = load_tokenizer(args.model)        # a damaged tokenizer.json fails before the weights are mapped
+            print(f"[colibri] no --model given: using the embedded default model ({model_dir})", file=sys.stderr)
+    tok = load_tokenizer(model_dir)        # a damaged tokenizer.json fails before the weights are mapped
+    if args.prompt is not None and tok is None:
+        raise ValueError(f"{model_dir} has no tokenizer.json: give the prompt as --prompt-ids")
     t_load = time.perf_counter()
-    model = model_init(args.model, **engine_kwargs(args))
+    model = model_init(model_dir, **opts.engine_kwargs())
     t_load = time.perf_counter() - t_load
-    cfg = model.cfg
-    if args.prompt_ids is not None:
-        ids = parse_ids(args.prompt_ids, cfg.vocab)
-    elif args.prompt is not None:
-        if tok is None:
-            raise ValueError(f"{args.model} has no tokenizer.json: give the prompt as --prompt-ids")
-        ids = tok.encode(args.prompt).ids
+    try:
+        cfg = model.cfg
+        ids = parse_ids(args.prompt_ids, cfg.vocab) if args.prompt_ids is not None else tok.encode(args.prompt).ids
         if not ids:
             raise ValueError("the prompt encodes to no tokens")
-    else:
-        raise ValueError("give a PROMPT or --prompt-ids")
-    max_depth = draft_mode if isinstance(draft_mode, int) else MAX_AUTO_DEPTH
-    need = len(ids) + args.max_tokens + max_depth + 2
-    if cfg.max_positions and need > cfg.max_positions:
-        raise ValueError(f"prompt ({len(ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the model's "
-                         f"context of {cfg.max_positions} positions")
-    try:
-        return _generate(args, model, tok, ids, need, draft_mode, t_load)
+        need = positions_needed(len(ids), opts.max_tokens, opts.draft)
+        if cfg.max_positions and need > cfg.max_positions:
+            from .session import check_room
+            check_room(len(ids), opts.max_tokens, opts.draft, cfg.max_positions, tokens_name="--max-tokens")
+        return _generate(args, opts, model_dir, model, tok, ids, need, t_load)
     finally:
         model.close()
 
 
-def _generate(args, model, tok, ids, need, draft_mode, t_load) -> int:
-    from . import tiers as _tiers
-    from ._core import Sampler
-    from .draft import DraftPolicy
+def _generate(args, opts, model_dir, model, tok, ids, need, t_load) -> int:
+    from . import omp
     cfg = model.cfg
-    tiers = _tiers.configure(model, need, requested=args.cache_experts, ram_gb=args.ram, pin=args.pin,
-                             pin_gb=args.pin_gb, autopin=not args.no_autopin, prefetch=not args.no_prefetch,
-                             warm=not args.lazy_experts, mtp_tier=draft_mode != 0, batch=args.batch)
+    session = Session(model, opts, context=need, tokenizer=tok)
+    tiers = session.tiers
     if not args.quiet:
         print(tiers.summary(), file=sys.stderr)
-    sampler = Sampler(cfg.vocab, args.temperature, args.top_p, args.seed)
-    policy = DraftPolicy(draft_mode)
-    stops = set(cfg.eos_ids)
-    printer = _Printer(tok, args.quiet)
-    if not args.quiet:
-        print(f"[colibri] {args.model}: {cfg.n_layers} layers, {cfg.n_experts} experts (top-{cfg.topk}), "
+        print(f"[colibri] {model_dir}: {cfg.n_layers} layers, {cfg.n_experts} experts (top-{cfg.topk}), "
               f"{'MTP head' if model.has_mtp else 'no MTP head'}, loaded in {t_load:.2f}s; "
               f"prompt {len(ids)} tokens", file=sys.stderr)
     note = model.dsa_note()
     if note and need > cfg.index_topk:
         print(f"[colibri] note: {note}", file=sys.stderr)
-    model.kv_alloc(need)
-    model.reset_stats()
     if args.trace:
-        model.trace = []
-    # With a forced depth the MTP head learns the prompt's (token, hidden) pairs during prefill, as
-    # colibrì does. Under --draft auto they are absorbed lazily, in one batch before the first draft,
-    # so a head the policy finds useless costs the prefill nothing.
-    model.mtp_absorb_prefill = model.has_mtp and isinstance(draft_mode, int) and draft_mode > 0
-    t0 = time.perf_counter()
-    history = list(ids)
+        model.record_routing()
+    out = _Stdout()
     bar = PrefillProgress(disable=args.quiet)
+
+    def progress(done, total):
+        bar.update(done, total)
     try:
-        logits = model.prefill(history, 0, batch=tiers.batch, progress=bar.update)
+        g = session.generate(ids, stop=args.stop or (), on_text=out.write, progress=progress)
     finally:
         bar.close()
-    t_prefill = time.perf_counter() - t0
-    prefill_read, prefill_misses = int(model.bytes_read), int(model.expert_misses)
-    t1 = time.perf_counter()
-    out_ids, _ = model.spec_decode(history, len(ids), args.max_tokens, logits, sampler, policy,
-                                   stops=stops, emit=printer.emit)
-    t_decode = time.perf_counter() - t1
-    printer.finish()
-    ttft = printer.t_first - t0 if printer.t_first is not None else t_prefill
-    model.cache.wait_prefetch()
-    n_dec = len(out_ids)
-    stats = {
-        "tokens": out_ids,
-        "prefill_tokens": len(ids),
-        "prefill_s": t_prefill,
-        "prefill_batch": int(tiers.batch),
-        "prefill_bytes_read": prefill_read,         # expert bytes read from disk by the prefill
-        "prefill_expert_misses": prefill_misses,
-        "ttft_s": ttft,             # prefill start to the first generated token on stdout
-        "decode_tokens": n_dec,
-        "decode_s": t_decode,
-        "decode_tok_s": (n_dec / t_decode) if t_decode > 0 else 0.0,
-        "forwards": int(model.forwards),
-        "expert_hits": int(model.expert_hits),
-        "expert_misses": int(model.expert_misses),
-        "bytes_read": int(model.bytes_read),
+    out.end()
+    stats = dict(g.stats)
+    t_prefill, t_decode = stats["prefill_s"], stats["decode_s"]
+    stats.update({
+        "tokens": g.token_ids,
         "peak_rss_bytes": peak_rss_bytes(),
         "load_s": t_load,
         "resident_bytes": int(model.resident_bytes()),
         "kv_bytes": int(model.kv_bytes(need)),
-        "decode_forwards": int(model.decode_forwards),
-        "tokens_per_forward": (n_dec / model.decode_forwards) if model.decode_forwards else float(n_dec),
-    }
-    stats.update(policy.stats())
-    stats.update(model.lookahead.stats())
-    stats.update(dsa_indexer=not model.indexer_absent, dsa_dense_past_topk=bool(model.dense_past_topk),
-                 notes=[note] if note and model.dense_past_topk else [])
+        "dsa_indexer": not model.indexer_absent, "dsa_dense_past_topk": bool(model.dense_past_topk),
+        "notes": [note] if note and model.dense_past_topk else [],
+        "omp_wait_policy": omp.choose(),
+    })
     stats.update(tier_stats(model, tiers, t_prefill + t_decode))
-    from . import WAIT_POLICY
-    stats["omp_wait_policy"] = WAIT_POLICY
     if not args.quiet:
+        n_dec = len(g.token_ids)
         print(f"---\nprefill {len(ids)} tok in {t_prefill:.3f}s ({len(ids) / max(t_prefill, 1e-9):.1f} tok/s) | "
-              f"time to first token {ttft:.3f}s | "
+              f"time to first token {stats['ttft_s']:.3f}s | "
               f"decode {n_dec} tok in {t_decode:.3f}s ({stats['decode_tok_s']:.1f} tok/s) | "
               f"peak RSS {stats['peak_rss_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
         print(tier_line(stats), file=sys.stderr)
         print(spec_line(stats), file=sys.stderr)
+        print(f"stopped: {STOPPED[g.stopped_by]} | seed {g.seed}", file=sys.stderr)
     if args.stats_json:
         with open(args.stats_json, "w") as f:
             json.dump(stats, f)
     if args.trace:
-        write_trace(args.trace, model, args.model)
+        write_trace(args.trace, model, model_dir)
     try:
         tiers.save_usage(model)
     except OSError as e:
         print(f"[colibri] warning: routing history not saved ({e})", file=sys.stderr)
     return 0
+
+
+#: The summary's words for Generation.stopped_by.
+STOPPED = {"eos": "end-of-sequence token", "stop": "stop string", "length": "--max-tokens reached",
+           "cancel": "cancelled"}
+
+
+class _Stdout:
+    """The generated text on stdout as it comes (a closed pipe, ``| head``, raises BrokenPipeError
+    for the CLI to end quietly)."""
+
+    def write(self, piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    def end(self) -> None:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
 
 
 def spec_line(s: dict) -> str:
@@ -251,7 +225,7 @@ def write_trace(path: str, model, model_dir: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write(json.dumps(header) + "\n")
-        for fwd, layer, rows, experts in model.trace:
+        for fwd, layer, rows, experts in model.routing:
             f.write(json.dumps({"f": fwd, "l": layer, "s": rows, "e": experts}) + "\n")
     os.replace(tmp, path)
 
@@ -281,30 +255,3 @@ class PrefillProgress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-
-
-class _Printer:
-    """Streams tokens to stdout: text through the tokenizer (incremental decode), else ids.
-    t_first: when the first token reached stdout (perf_counter)."""
-
-    def __init__(self, tok, quiet):
-        self.tok, self.ids, self.shown = tok, [], ""
-        self.t_first = None
-
-    def emit(self, t):
-        self.ids.append(t)
-        if self.tok is None:
-            sys.stdout.write(f"{t} ")
-        else:
-            text = self.tok.decode(self.ids)
-            if text.endswith("\ufffd"):
-                return                      # an incomplete UTF-8 sequence: wait for the next token
-            sys.stdout.write(text[len(self.shown):])
-            self.shown = text
-        sys.stdout.flush()
-        if self.t_first is None:
-            self.t_first = time.perf_counter()
-
-    def finish(self):
-        sys.stdout.write("\n")
-        sys.stdout.flush()

@@ -740,15 +740,17 @@ class _Handler(BaseHTTPRequestHandler):
         limit = srv.context - srv.draft_room
         if room < 1:
             raise _bad(f"the prompt is {n} tokens long, which leaves no room in this model's context of "
-                       f"{srv.context} positions (a prompt may have at most {limit - 1} tokens)",
+                       f"{srv.context} positions ({srv.draft_room} of them reserved for speculative drafts: a "
+                       f"prompt may have at most {limit - 1} tokens)",
                        "messages" if chat else "prompt", "context_length_exceeded")
         max_tokens = req["max_tokens"]
         if max_tokens is None:
             max_tokens = min(llm.options.max_tokens, room)
         elif max_tokens > room:
             raise _bad(f"'{req['max_tokens_param']}' is too large: the prompt ({n} tokens) + {max_tokens} "
-                       f"completion tokens exceed this model's context of {srv.context} positions; at most "
-                       f"{room} completion tokens fit after this prompt", req["max_tokens_param"],
+                       f"completion tokens + {srv.draft_room} positions for speculative drafts = "
+                       f"{n + max_tokens + srv.draft_room} exceed this model's context of {srv.context} positions; "
+                       f"at most {room} completion tokens fit after this prompt", req["max_tokens_param"],
                        "context_length_exceeded")
         req["max_tokens"], req["ids"] = max_tokens, ids
         self._generate(req, chat)
@@ -913,14 +915,13 @@ class OpenAIServer(ThreadingHTTPServer):
 
     def __init__(self, llm, host, port, scheduler: Scheduler, api_key=None, model_id=None, access_log=False,
                  client_timeout=CLIENT_TIMEOUT):
-        from .draft import MAX_AUTO_DEPTH, parse_draft
+        from .session import draft_room
         self.llm, self.scheduler, self.api_key = llm, scheduler, api_key or None
         self.model_id = model_id or model_id_for(llm.path)
         self.access_log, self.client_timeout = access_log, client_timeout
         self.created = int(time.time())
         self.context = llm.context
-        draft = parse_draft(llm.options.draft)
-        self.draft_room = (draft if isinstance(draft, int) else MAX_AUTO_DEPTH) + 2   # as LLM.complete checks
+        self.draft_room = draft_room(llm.options.draft)      # positions a generation's drafts may use
         self._serving = threading.Event()
         self._stopped = False
         if ":" in host and not host.startswith("["):
@@ -982,10 +983,12 @@ def make_server(llm, host: str = "127.0.0.1", port: int = 8000, max_queue: int =
 # -- command line --------------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser):
-    """The options of ``python -m colibri serve``. Engine options left out come from ``COLI_*``
-    environment variables (see colibri.api.Options), then the defaults."""
+    """The options of ``python -m colibri serve``: the server's own, then every colibri.options
+    setting (a setting left out comes from its ``COLIBRI_*`` environment variable, then the
+    default; max_tokens, temperature and top_p are the defaults of requests that set none)."""
+    from .options import add_arguments as add_options
     p.add_argument("--model", "-m", default=None,
-                   help="model directory (default: COLI_MODEL, else the embedded default model)")
+                   help="model directory (default: COLIBRI_MODEL, else the embedded default model)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
     p.add_argument("--max-queue", type=int, default=4, metavar="N",
@@ -993,58 +996,27 @@ def add_arguments(p: argparse.ArgumentParser):
     p.add_argument("--queue-timeout", type=float, default=30.0, metavar="S",
                    help="seconds a request may wait for the model before HTTP 429 (default 30)")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' (default: the COLI_API_KEY environment variable; "
+                   help="require 'Authorization: Bearer KEY' (default: the COLIBRI_API_KEY environment variable; "
                         "none = no authentication)")
     p.add_argument("--access-log", action="store_true", help="print one line per HTTP request on stderr")
-    g = p.add_argument_group("engine (defaults: COLI_* environment variables, else colibri.api.Options)")
-    g.add_argument("--cache-experts", type=int, default=None, metavar="N",
-                   help="routed experts cached per layer (0 = as many as the RAM budget allows)")
-    g.add_argument("--ram", type=float, default=None, metavar="GB", help="RAM budget in GB")
-    g.add_argument("--context", type=int, default=None, metavar="N",
-                   help="KV positions (0 = the model's context, at most 4096)")
-    g.add_argument("--threads", type=int, default=None, help="OpenMP threads (0 = all cores)")
-    g.add_argument("--batch", type=int, default=None, metavar="N",
-                   help="prompt tokens per prefill forward (0 = the whole prompt, in pieces only where the RAM budget is small)")
-    g.add_argument("--io-threads", type=int, default=None, metavar="N", help="concurrent expert reads")
-    g.add_argument("--idot", type=int, default=None, choices=(0, 1, 2), help="int8/int4 matmul path")
-    g.add_argument("--pin", default=None, metavar="STATS", help="pin the most used experts of a stats file")
-    g.add_argument("--pin-gb", type=float, default=None, metavar="GB", help="hot-store size for --pin")
-    g.add_argument("--no-autopin", dest="autopin", action="store_false", default=None,
-                   help="do not pin experts from the saved routing history")
-    g.add_argument("--no-prefetch", dest="prefetch", action="store_false", default=None,
-                   help="turn off the router-lookahead prefetch")
-    g.add_argument("--direct", action="store_true", default=None, help="O_DIRECT expert reads")
-    g.add_argument("--lazy-experts", dest="warm_experts", action="store_false", default=None,
-                   help="read experts on first use even when all fit in the budget")
-    g.add_argument("--draft", default=None, metavar="N|auto", help="speculative draft depth (default auto)")
-    g.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                   help="completion tokens of a request that sets no max_tokens (default 256)")
-    g.add_argument("--temperature", type=float, default=None,
-                   help="temperature of a request that sets none (default 0.7)")
-    g.add_argument("--top-p", type=float, default=None, help="top_p of a request that sets none (default 0.9)")
-
-
-_OPTION_ARGS = {"cache_experts": "cache_experts", "ram": "ram_gb", "context": "context", "threads": "threads",
-                "batch": "batch",
-                "io_threads": "io_threads", "idot": "idot", "pin": "pin", "pin_gb": "pin_gb",
-                "autopin": "autopin", "prefetch": "prefetch", "direct": "direct", "warm_experts": "warm_experts", "draft": "draft",
-                "max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p"}
+    add_options(p)
 
 
 def run(args) -> int:
     """Load the model, serve until SIGINT/SIGTERM, shut down cleanly. Returns the exit status."""
     from .api import load
+    from .options import env_get, from_args
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not (args.queue_timeout > 0 and math.isfinite(args.queue_timeout)):
         raise ValueError(f"--queue-timeout must be > 0 seconds, got {args.queue_timeout}")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("COLI_API_KEY")
+    api_key = args.api_key if args.api_key is not None else env_get(os.environ, "API_KEY")
     api_key = api_key or None
-    options = {opt: getattr(args, name) for name, opt in _OPTION_ARGS.items() if getattr(args, name, None) is not None}
+    options = from_args(args)
     t0 = time.perf_counter()
-    llm = load(args.model, **options)
+    llm = load(args.model, options)
     for note in llm.model_notes():
         print(f"[colibri serve] {note}", file=sys.stderr, flush=True)
     try:
@@ -1069,7 +1041,7 @@ def run(args) -> int:
           f"{args.queue_timeout:g}s, {'API key required' if api_key else 'no API key'})", file=sys.stderr, flush=True)
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[colibri serve] warning: listening on {args.host} without an API key: anyone who can reach "
-              "this port can use the model (set --api-key or COLI_API_KEY)", file=sys.stderr, flush=True)
+              "this port can use the model (set --api-key or COLIBRI_API_KEY)", file=sys.stderr, flush=True)
     try:
         while not stop.wait(0.5):
             if not th.is_alive():

@@ -220,7 +220,7 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
             t.notes.append(f"{skipped} records of {t.usage_file} do not fit this model; ignored")
     items = []
     if pin:
-        counts, skipped = _usage.load_counts(pin, c.n_layers + 1, c.n_experts)
+        counts, _ = _usage.load_counts(pin, c.n_layers + 1, c.n_experts, strict="--pin")
         want = int((PIN_GB_DEFAULT if pin_gb is None else pin_gb) * 1e9)
         room = max(plan.expert_avail_bytes - sum(rows), 0)   # leave at least one LRU expert per row
         if want > room:
@@ -245,14 +245,10 @@ def configure(model, ctx: int, *, requested: int = 0, ram_gb=None, pin=None, pin
     if plan.mtp_tier:
         # counted in the plan's mtp term, not in pin_bytes
         t.mtp_tier_bytes = int(model.cache.pin([(c.n_layers, e) for e in range(c.n_experts)]))
-    model.cache.set_capacity(plan.capacity)
-    if model.keeps_evicted():
-        # experts evicted from the LRU stay in memory (mapped, or in their buffers) within the
-        # plan's page-cache reserve (the call allowance covers the experts a call adds to its
-        # row's LRU beyond capacity)
-        model.cache.set_keep_bytes(plan.page_cache_reserve_bytes)
-    model.cache_experts = plan.capacity
-    model.pilot = bool(prefetch) and plan.capacity < c.n_experts
+    # experts evicted from the LRU stay in memory (mapped, or in their buffers) within the plan's
+    # page-cache reserve (the call allowance covers the experts a call adds to its row's LRU beyond
+    # capacity)
+    model.set_cache_capacity(plan.capacity, bool(prefetch), keep_bytes=plan.page_cache_reserve_bytes)
     if warm and plan.capacity >= c.n_experts:
         t0 = time.perf_counter()
         t.warmed, t.warmed_bytes = warm_all(model, progress)

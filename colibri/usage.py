@@ -16,6 +16,8 @@ import re
 
 import numpy as np
 
+from .options import switch
+
 __all__ = ["load_counts", "save_counts", "format_counts", "usage_path", "choose_pins",
            "autopin_budget", "autopin_floor", "AUTOPIN_MIN_HISTORY", "AUTOPIN_FULL_HISTORY",
            "AUTOPIN_FRACTION", "AUTOPIN_MIN_BYTES", "USAGE_FILE"]
@@ -28,14 +30,15 @@ AUTOPIN_MIN_BYTES = 500_000_000     # the spec's 0.5 GB floor (see autopin_floor
 _INT = re.compile(r"[+-]?[0-9]+")
 
 
-def load_counts(path, n_rows: int, n_experts: int, missing_ok: bool = False):
+def load_counts(path, n_rows: int, n_experts: int, missing_ok: bool = False, strict: str = ""):
     """Read a counts file -> ``(counts, skipped)``.
 
     counts: numpy int64 [n_rows, n_experts]. skipped: the number of well-formed records that were
     ignored because their layer or expert lies outside that shape (e.g. a file from another model).
     A line that is not three integers, or has a negative count, raises ``ValueError`` naming the
     file and the line number. A missing file raises ``FileNotFoundError``, or gives zeros when
-    ``missing_ok``.
+    ``missing_ok``. ``strict`` (the option the file came from, e.g. ``--pin``): a record outside
+    the shape is a ValueError naming it, the file and the line, instead of skipped.
     """
     counts = np.zeros((n_rows, n_experts), np.int64)
     skipped = 0
@@ -64,6 +67,10 @@ def load_counts(path, n_rows: int, n_experts: int, missing_ok: bool = False):
             if count < 0:
                 raise ValueError(f"{path}:{lineno}: negative count {count}")
             if not (0 <= layer < n_rows and 0 <= eid < n_experts):
+                if strict:
+                    what = f"layer {layer}" if not 0 <= layer < n_rows else f"expert {eid}"
+                    raise ValueError(f"{strict} {path}:{lineno}: {what} does not exist in this model (layers "
+                                     f"0..{n_rows - 1}, the MTP head's the last; experts 0..{n_experts - 1})")
                 skipped += 1
                 continue
             counts[layer, eid] += count
@@ -145,7 +152,7 @@ def model_state_path(model_dir, filename: str, cache_subdir: str, ext: str) -> s
     (``$XDG_CACHE_HOME`` when absolute, else ``~/.cache``; created), or that file name in
     ``COLIBRI_USAGE_DIR`` when it is set."""
     model_dir = os.path.abspath(os.fspath(model_dir))
-    forced = os.environ.get("COLIBRI_USAGE_DIR", "")
+    forced = switch("USAGE_DIR")
     if not forced and os.path.isdir(model_dir) and os.access(model_dir, os.W_OK | os.X_OK):
         return os.path.join(model_dir, filename)
     base = os.environ.get("XDG_CACHE_HOME", "")

@@ -38,18 +38,14 @@ def oracle_dir(name):
 
 
 def decode(m, prompt, n_new, mode, temperature=0.0, seed=None, top_p=1.0):
-    """Prefill prompt, then spec_decode n_new tokens with draft mode `mode` -> (tokens, policy)."""
-    from colibri import _core
-    from colibri.draft import DraftPolicy
-    m.kv_alloc(len(prompt) + n_new + 20)
-    m.reset_stats()
-    pol = DraftPolicy(mode)
-    m.mtp_absorb_prefill = m.has_mtp and isinstance(pol.mode, int) and pol.mode > 0     # as the CLI
-    ids = list(prompt)
-    logits = m.step(ids, 0)
-    out, _ = m.spec_decode(ids, len(prompt), n_new, logits,
-                           _core.Sampler(m.cfg.vocab, temperature, top_p, seed), pol)
-    return out, pol
+    """n_new tokens after prompt through the one driver (colibri.session), draft mode `mode`, end-of-
+    sequence tokens ignored, the model's cache as the test set it up -> (tokens, draft policy)."""
+    from colibri.options import Options
+    from colibri.session import Session, positions_needed
+    s = Session(m, Options(draft=mode, ignore_eos=True), context=positions_needed(len(prompt), n_new, mode),
+                configure=False)
+    g = s.generate(prompt, max_tokens=n_new, temperature=temperature, top_p=top_p, seed=seed)
+    return g.token_ids, s.policy
 
 
 # A chat template in the style of GLM-5's own (its text is ours): [gMASK]<sop>, <|system|>, <|user|>,

@@ -89,7 +89,7 @@ def test_the_default_model_has_no_chat_template_and_says_so(llm):
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=10 ** 6), "context"), (dict(temperature=-1), "temperature"),
-    (dict(top_p=0), "top_p"), (dict(stop=[3]), "stop"), (dict(draft=99), "--draft"),
+    (dict(top_p=0), "top_p"), (dict(stop=[3]), "stop"), (dict(draft=99), "^draft must be"),
 ])
 def test_bad_arguments_are_clear_errors(llm, kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -109,22 +109,32 @@ def test_bad_prompts_and_messages(llm):
         llm.chat([])
 
 
-def test_options_from_the_environment():
-    o = api.Options.from_env({"COLI_CACHE_EXPERTS": "8", "COLI_PREFETCH": "0", "COLI_RAM_GB": "1.5",
-                              "COLI_DRAFT": "2"}, temperature=0.1)
+def test_options_from_the_environment(capsys):
+    o = api.Options.from_env({"COLIBRI_CACHE_EXPERTS": "8", "COLIBRI_PREFETCH": "0", "COLIBRI_RAM_GB": "1.5",
+                              "COLIBRI_DRAFT": "2", "COLIBRI_DENSE_BITS": "8", "COLIBRI_ABSORB": "never"},
+                             temperature=0.1)
     assert (o.cache_experts, o.prefetch, o.ram_gb, o.draft, o.temperature) == (8, False, 1.5, 2, 0.1)
-    with pytest.raises(ValueError, match="COLI_PREFETCH"):
-        api.Options.from_env({"COLI_PREFETCH": "maybe"})
-    with pytest.raises(ValueError, match="cache_experts"):
+    assert (o.dense_bits, o.absorb) == (8, "never")
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="^COLIBRI_PREFETCH='maybe' is not a boolean"):
+        api.Options.from_env({"COLIBRI_PREFETCH": "maybe"})
+    with pytest.raises(ValueError, match="^COLIBRI_CACHE_EXPERTS must be an integer >= 0"):
+        api.Options.from_env({"COLIBRI_CACHE_EXPERTS": "-3"})
+    with pytest.raises(ValueError, match="^cache_experts must be"):
         api.Options(cache_experts=-1)
+    # the old prefix still works, with a warning, and errors name the variable that was set
+    assert api.Options.from_env({"COLI_THREADS": "1"}).threads == 1
+    assert "COLI_THREADS is now COLIBRI_THREADS" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^COLI_IO_THREADS must be an integer >= 1"):
+        api.Options.from_env({"COLI_IO_THREADS": "0"})
 
 
 def test_experts_are_read_at_load_unless_lazy(llm):
     """Every expert of the embedded model fits: load() reads them all (the tiers say so); with
-    warm_experts=False (COLI_WARM_EXPERTS=0, serve/chat --lazy-experts) none is read up front, and
+    warm_experts=False (COLIBRI_WARM_EXPERTS=0, serve/chat --lazy-experts) none is read up front, and
     the text is the same."""
     assert llm.tiers.warmed > 0 and llm.tiers.warmed_bytes > 0
-    assert api.Options.from_env({"COLI_WARM_EXPERTS": "0"}).warm_experts is False
+    assert api.Options.from_env({"COLIBRI_WARM_EXPERTS": "0"}).warm_experts is False
     lazy = colibri.load(temperature=0, warm_experts=False)
     try:
         assert lazy.tiers.warmed == 0
@@ -162,11 +172,11 @@ def test_glm_tokenizers_get_the_glm5_chat_format(llm, monkeypatch):
 
 
 def test_batch_option_prefills_in_pieces_with_the_same_text(llm):
-    """Options(batch=N) (COLI_BATCH, chat/serve --batch): the prompt in pieces of <= N tokens, the
+    """Options(batch=N) (COLIBRI_BATCH, chat/serve --batch): the prompt in pieces of <= N tokens, the
     same tokens; the completion's stats give the time to first token."""
     prompt = "import os\nimport sys\n\ndef main(argv):\n    " * 3
     want = llm.complete(prompt, max_tokens=24, draft=0)
-    assert api.Options.from_env({"COLI_BATCH": "20"}).batch == 20
+    assert api.Options.from_env({"COLIBRI_BATCH": "20"}).batch == 20
     with pytest.raises(ValueError, match="batch"):
         api.Options(batch=-1)
     small = colibri.load(temperature=0, batch=20)

@@ -45,7 +45,7 @@ def test_restarted_conversation_equals_the_uninterrupted_one(tmp_path):
 
 def test_damaged_session_is_reported_and_discarded(tmp_path):
     chat(TURNS[:1], tmp_path)
-    (f,) = list(tmp_path.iterdir())
+    (f,) = [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")]
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))

@@ -66,9 +66,8 @@ def _snapshot(m):
 def test_round_trip_continues_bit_identically(tmp_path, name):
     a = model_init(DATA / name)
     a.kv_alloc(96)
-    a.mtp_absorb_prefill = a.has_mtp
     hist = _prompt(1, 20, a.cfg.vocab)          # longer than tiny_dsa's index_topk: DSA selects
-    logits = a.step(hist, 0)
+    logits = a.step(hist, 0, absorb_mtp=True)
     for _ in range(5):                          # greedy decode, every token forwarded
         t = int(np.argmax(logits))
         logits = a.step([t], len(hist))
@@ -104,9 +103,8 @@ def test_round_trip_restores_the_mtp_head(tmp_path):
     """After speculative decoding, the restored head drafts exactly what the original drafts."""
     a = model_init(MTP)
     a.kv_alloc(128)
-    a.mtp_absorb_prefill = True                 # as the CLI does with a fixed draft depth
     ids = _prompt(2, 24, a.cfg.vocab)
-    logits = a.step(ids, 0)
+    logits = a.step(ids, 0, absorb_mtp=True)   # as the CLI does with a fixed draft depth
     out, kv = a.spec_decode(ids, len(ids), 12, logits, _greedy(a), DraftPolicy(2))
     NL = a.cfg.n_layers
     assert len(out) == 12 and len(ids) == kv + 1
@@ -140,8 +138,7 @@ def _turn(m, ids, kv, prompt, trace):
     """One chat turn: prefill the previous turn's pending token and the prompt from kv, then
     greedy speculative decoding of 8 tokens. Returns (ids, kv, reply, prefill logits)."""
     new = ids[kv:] + prompt
-    m.mtp_absorb_prefill = m.has_mtp
-    logits = m.step(new, kv)
+    logits = m.step(new, kv, absorb_mtp=True)
     ids = ids[:kv] + new
     out, kv = m.spec_decode(ids, len(ids), 8, logits.copy(), _greedy(m), DraftPolicy(2), trace=trace)
     return ids, kv, out, logits
@@ -194,9 +191,8 @@ def test_sessions_move_between_models_with_and_without_the_mtp_head(tmp_path):
     for src_mtp, dst_mtp in ((True, False), (False, True)):
         a = model_init(MTP, mtp=src_mtp)
         a.kv_alloc(64)
-        a.mtp_absorb_prefill = a.has_mtp
         hist = _prompt(6, 16, a.cfg.vocab)
-        a.step(hist, 0)
+        a.step(hist, 0, absorb_mtp=True)
         save_session(p, a, hist)
         b = model_init(MTP, mtp=dst_mtp)
         assert load_session(p, b) == (hist, {})

@@ -132,8 +132,7 @@ SWEEP = textwrap.dedent("""
             continue
         ids = [(11 * i + 2) % m.cfg.vocab for i in range(S)]
         m.kv_alloc(S + 8)
-        m.mtp_absorb_prefill = m.has_mtp
-        logits = m.step(ids, 0)
+        logits = m.step(ids, 0, absorb_mtp=True)
         out, _ = m.spec_decode(list(ids), S, 4, logits, Sampler(m.cfg.vocab, 0.0, 1.0, 1),
                                DraftPolicy(2 if m.has_mtp else 0))
         rows = m.step_all([1, 2, 3], S + len(out)) if S + len(out) + 3 <= m.max_t else logits[None]

@@ -290,7 +290,7 @@ def test_bad_inputs(tmp_path, capsys):
     assert "exceeds the model's context" in error_of(capsys, [str(MODELS["tiny_dense"]), "--ctx", "5000"])
     assert "--ctx must be >= 1" in error_of(capsys, [str(MODELS["tiny_dense"]), "--ctx", "0"])
     assert "--ram must be a positive" in error_of(capsys, [str(MODELS["tiny_dense"]), "--ram", "-1"])
-    assert "--cache-experts must be >= 0" in error_of(capsys, [str(MODELS["tiny_dense"]), "--cache-experts", "-2"])
+    assert "--cache-experts must be an integer >= 0" in error_of(capsys, [str(MODELS["tiny_dense"]), "--cache-experts", "-2"])
 
 
 def test_wrong_shape_names_the_file(tmp_path, capsys):

@@ -17,11 +17,10 @@ def _forward(path, chunk, ids, **kw):
     m = model_init(path, **kw)
     m.prefill_chunk = chunk
     m.kv_alloc(len(ids) + 8)
-    m.mtp_absorb_prefill = m.has_mtp
-    m.trace = []
+    m.record_routing()
     logits = m.step_all(ids, 0)
     # every routed expert the prompt needs was read once per layer (the cache holds fewer)
-    assert m.expert_misses == sum(len(e) for _, layer, _, e in m.trace if layer < m.cfg.n_layers)
+    assert m.expert_misses == sum(len(e) for _, layer, _, e in m.routing if layer < m.cfg.n_layers)
     after = m.step([ids[0]], len(ids))          # decode on the KV the chunks wrote
     return m, logits, after
 
@@ -97,9 +96,9 @@ def test_long_batch_holds_few_experts_at_once(tmp_path):
     cache.fetch = fetch
     ids = _prompt(200, m.cfg.vocab)
     m.kv_alloc(len(ids))
-    m.trace = []
+    m.record_routing()
     m.step(ids, 0)
-    union = max(len(e) for _, _, _, e in m.trace)
+    union = max(len(e) for _, _, _, e in m.routing)
     assert union == m.cfg.n_experts > 2 * m.stream_group      # the batch needs every expert ...
     assert 0 < max(seen) <= 2 * m.stream_group                # ... but holds at most two groups
     assert 2 * _core.STREAM_GROUP <= EXTRA_CALL_EXPERTS
@@ -138,8 +137,8 @@ def test_prefill_in_batches_is_bit_identical(model, batch, int4):
     def run(batch, progress=None):
         m = model_init(path, cache_experts=3)
         m.kv_alloc(len(ids) + 8)
-        m.mtp_absorb_prefill = m.has_mtp
-        logits = m.step(ids, 0) if batch is None else m.prefill(ids, 0, batch=batch, progress=progress)
+        logits = (m.step(ids, 0, absorb_mtp=True) if batch is None else
+                  m.prefill(ids, 0, batch=batch, progress=progress, absorb_mtp=True))
         return m, logits, m.step([ids[0]], len(ids))
 
     a, la, da = run(None)

@@ -345,4 +345,4 @@ def test_auto_policy_survives_the_embedded_model_session():
     plain = colibri.load(options=colibri.Options(max_tokens=24, temperature=0.0, draft=0))
     for prompt in ("def fibonacci(n):\n", "import os\n"):
         assert llm.complete(prompt).token_ids == plain.complete(prompt).token_ids
-    assert llm._draft_prior is not None and llm._draft_prior.iterations > 0
+    assert llm.session.policy is not None and llm.session.policy.iterations > 0

@@ -90,7 +90,7 @@ def cost_worker(model: str, ram: float, samples: int) -> dict:
     distinct = prompt_ids(MAX_ROWS, c.vocab, seed=1)
     batches = {(k, kind): (distinct[:k] if kind == "distinct" else [distinct[0]] * k)
                for k in range(1, MAX_ROWS + 1) for kind in ("distinct", "same")}
-    m.trace = []
+    m.record_routing()
 
     def verify(rows) -> dict:
         """One k-row forward at kv, layer by layer: seconds per layer, the head's, unions."""
@@ -102,11 +102,11 @@ def cost_worker(model: str, ram: float, samples: int) -> dict:
         head = time.perf_counter() - t0
         per_layer, unions = [], []
         for L in m.layers:
-            del m.trace[:]
+            m.record_routing()
             t0 = time.perf_counter()
             m.layer_forward(L, x, k, kv)
             per_layer.append(time.perf_counter() - t0)
-            unions.append(sum(len(e) for _, _, _, e in m.trace))
+            unions.append(sum(len(e) for _, _, _, e in m.routing))
         t0 = time.perf_counter()
         m.logits_rows(x)
         head += time.perf_counter() - t0
