@@ -3476,7 +3476,7 @@ cdef class Model:
             if self.h_all is not None and base < kv:
                 pending = {p: self.h_all[p - base] for p in range(self.mtp_next, kv)}
         while len(out) < n_new:
-            nxt = sampler.pick_tok(logits, carry_ban, len(ids))
+            nxt = sampler.pick_tok(logits, carry_ban, len(ids), ids)
             carry_ban = -1
             if nxt in stops:
                 break
@@ -3527,7 +3527,7 @@ cdef class Model:
             k = 0
             done = False
             while k < g and len(out) < n_new:
-                ok = sampler.accepts(lo[k], drafts[k], len(ids))
+                ok = sampler.accepts(lo[k], drafts[k], len(ids), ids)
                 if not ok:
                     if not greedy:
                         carry_ban = drafts[k]
@@ -4905,30 +4905,81 @@ cdef int cmp_prob_desc(const void *a, const void *b) noexcept nogil:
 
 
 cdef class Sampler:
-    """Temperature + nucleus (top-p) sampling with a seedable xorshift64 RNG; greedy when
+    """Temperature, top-k and nucleus (top-p) sampling with a seedable xorshift64 RNG; greedy when
     temperature <= 0. ``P`` holds the distribution built by the last ``dist_build``.
+
+    Penalties (llama.cpp's order and meaning) change the logits of a position from the tokens
+    before it, the last ``repeat_last_n`` of ``history`` (0: none, -1: all): a token seen there has
+    its logit divided by ``repeat_penalty`` (multiplied when negative), then lowered by
+    ``frequency_penalty`` per occurrence and by ``presence_penalty`` once. They are a function of
+    (logits, history) only, applied alike where a token is picked and where a draft is tested, so
+    speculation stays lossless with them.
 
     Generation draws each token from a uniform keyed by its position in the sequence (``u_at``),
     through the inverse CDF of P: the token of a position depends on the seed, the position and
     the logits only, never on how many draws speculation made before it, so a seeded generation
     gives the same text whatever the drafts (and ``--draft auto`` decides by wall time)."""
     cdef public double temperature, top_p
+    cdef public int top_k, repeat_last_n
+    cdef public double repeat_penalty, frequency_penalty, presence_penalty
     cdef unsigned long long rng, base
     cdef public object P
-    cdef object _pairs
+    cdef object _pairs, _pen
 
-    def __init__(self, int vocab, double temperature=0.7, double top_p=0.9, seed=None):
+    def __init__(self, int vocab, double temperature=0.7, double top_p=0.9, seed=None, int top_k=0,
+                 double repeat_penalty=1.0, int repeat_last_n=64, double frequency_penalty=0.0,
+                 double presence_penalty=0.0):
         if not (temperature >= 0 and temperature == temperature):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if not (0 < top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        if not (repeat_penalty > 0 and repeat_penalty < float("inf")):
+            raise ValueError(f"repeat_penalty must be a number > 0, got {repeat_penalty}")
+        if repeat_last_n < -1:
+            raise ValueError(f"repeat_last_n must be >= -1 (-1 = the whole history), got {repeat_last_n}")
+        for name, v in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+            if not (-1e30 < v < 1e30):
+                raise ValueError(f"{name} must be a finite number, got {v}")
         if vocab < 1:
             raise ValueError("empty vocabulary")
         self.temperature = temperature
         self.top_p = top_p
+        self.top_k = top_k
+        self.repeat_penalty, self.repeat_last_n = repeat_penalty, repeat_last_n
+        self.frequency_penalty, self.presence_penalty = frequency_penalty, presence_penalty
         self.P = np.zeros(vocab, np.float32)
         self._pairs = np.zeros(2 * vocab, np.float32)      # ProbIdx scratch
+        self._pen = np.zeros(vocab, np.float32)            # penalized logits [V]
         self.seed(seed)
+
+    @property
+    def penalizes(self):
+        """Whether any penalty changes logits."""
+        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0
+                                            or self.presence_penalty != 0.0)
+
+    def penalize(self, logits, history):
+        """The logits of the position after ``history`` with the penalties applied (a buffer of
+        this sampler, valid until the next call); ``logits`` itself when no penalty applies."""
+        if not self.penalizes or not history:
+            return logits
+        cdef float[::1] lg = np.ascontiguousarray(logits, dtype=np.float32)
+        cdef float[::1] out = self._pen
+        cdef int V = out.shape[0]
+        if lg.shape[0] != V:
+            raise ValueError(f"logits of length {lg.shape[0]} for a vocabulary of {V}")
+        n = len(history) if self.repeat_last_n < 0 else min(self.repeat_last_n, len(history))
+        cdef int[::1] win = np.asarray(history[len(history) - n:], dtype=np.int32)
+        cdef int j
+        for j in range(win.shape[0]):
+            if not 0 <= win[j] < V:
+                raise ValueError(f"history token {win[j]} outside the vocabulary [0, {V})")
+        with nogil:
+            penalize_c(&lg[0], V, &win[0], <int>win.shape[0], self.repeat_penalty, self.frequency_penalty,
+                       self.presence_penalty, &out[0])
+        return self._pen
 
     def seed(self, seed=None):
         """SEED × 0x9E3779B97F4A7C15 + 1 (mod 2^64); without a seed, time and pid."""
@@ -4951,7 +5002,8 @@ cdef class Sampler:
         return <double>(r >> 11) * (1.0 / 9007199254740992.0)
 
     def dist_build(self, logits):
-        """P = softmax(logits / T), then restricted to the top-p nucleus and renormalized."""
+        """P = softmax(logits / T), restricted to the top_k most likely tokens (0: all), then to the
+        top-p nucleus of those, renormalized."""
         cdef float[::1] lg = np.ascontiguousarray(logits, dtype=np.float32)
         cdef float[::1] P = self.P
         cdef int V = P.shape[0]
@@ -4959,7 +5011,7 @@ cdef class Sampler:
             raise ValueError(f"logits of length {lg.shape[0]} for a vocabulary of {V}")
         cdef float[::1] pairs = self._pairs
         with nogil:
-            dist_build_c(&lg[0], V, self.temperature, self.top_p, &P[0], <ProbIdx *>&pairs[0])
+            dist_build_c(&lg[0], V, self.temperature, self.top_k, self.top_p, &P[0], <ProbIdx *>&pairs[0])
 
     cpdef double u_at(self, long long pos):
         """The uniform of sequence position pos: splitmix64(seed state + pos·golden), top 53 bits."""
@@ -5015,19 +5067,24 @@ cdef class Sampler:
                     return i
         return last
 
-    def pick_tok(self, logits, int ban=-1, pos=None):
+    def pick_tok(self, logits, int ban=-1, pos=None, history=None):
         """Greedy argmax (first maximum) when temperature <= 0, else dist_build + dist_sample(ban)
-        (at position ``pos`` when given, see dist_sample)."""
+        (at position ``pos`` when given, see dist_sample); the logits penalized for ``history``
+        (the tokens before the position) first."""
+        if logits is not None and history is not None:
+            logits = self.penalize(logits, history)
         if self.temperature <= 0:
             return int(np.argmax(logits))
         if logits is not None:              # None: P as the last dist_build left it
             self.dist_build(logits)
         return self.dist_sample(ban, pos)
 
-    def accepts(self, logits, int draft, long long pos):
+    def accepts(self, logits, int draft, long long pos, history=None):
         """Whether a point-mass draft for position pos is accepted: P = dist_build(logits) and the
         inverse CDF at u_at(pos) is the draft (probability P[draft], the Leviathan rule for a
-        point-mass draft); greedy: the argmax is the draft."""
+        point-mass draft); greedy: the argmax is the draft. Penalized as pick_tok."""
+        if logits is not None and history is not None:
+            logits = self.penalize(logits, history)
         if self.temperature <= 0:
             return int(np.argmax(logits)) == draft
         if logits is not None:              # None: P as the last dist_build left it
@@ -5035,11 +5092,37 @@ cdef class Sampler:
         return self._inverse_cdf(self.u_at(pos)) == draft
 
 
-cdef void dist_build_c(const float *lg, int V, double temp, double top_p, float *P,
+cdef void penalize_c(const float *lg, int V, const int *win, int n, double rep, double freq, double pres,
+                     float *out) noexcept nogil:
+    """out = lg with each distinct token of win[n] penalized once (see Sampler)."""
+    cdef int j, i, t, c
+    cdef float l
+    memcpy(out, lg, V * sizeof(float))
+    for j in range(n):
+        t = win[j]
+        c = 1
+        for i in range(j):
+            if win[i] == t:
+                c = 0                       # counted at its first occurrence
+                break
+        if c == 0:
+            continue
+        for i in range(j + 1, n):
+            if win[i] == t:
+                c += 1
+        l = lg[t]
+        l = <float>(l / rep) if l > 0 else <float>(l * rep)
+        out[t] = <float>(l - c * freq - pres)
+
+
+cdef void dist_build_c(const float *lg, int V, double temp, int top_k, double top_p, float *P,
                        ProbIdx *pairs) noexcept nogil:
-    cdef int i, n, keep
+    """P = softmax(lg / temp); then (transformers' order) the top_k most likely tokens, then the
+    smallest prefix of those, in descending order, whose mass reaches top_p of theirs."""
+    cdef int i, n, keep, cnt
     cdef float mx = lg[0], invt, tau
-    cdef double sum = 0.0, cum, mass
+    cdef double sum = 0.0, cum, mass, need
+    cdef bint nucleus = 0 < top_p < 1
     for i in range(1, V):
         if lg[i] > mx:
             mx = lg[i]
@@ -5049,17 +5132,22 @@ cdef void dist_build_c(const float *lg, int V, double temp, double top_p, float 
         sum += P[i]
     for i in range(V):
         P[i] = P[i] / <float>sum
-    if not (0 < top_p < 1):
+    if top_k <= 0 or top_k > V:
+        top_k = V
+    if top_k == V and not nucleus:
         return
-    # Exact nucleus without sorting the whole vocabulary: find tau with mass(P >= tau) >= top_p
-    # (then the nucleus, a prefix of the descending order, lies inside {P >= tau}), sort only those.
+    # Without sorting the whole vocabulary: find tau such that {P >= tau}, a prefix of the
+    # descending order, holds the top_k tokens or a mass >= top_p (then the nucleus lies inside
+    # it); sort only those.
     tau = 0.5
     while True:
         mass = 0.0
+        cnt = 0
         for i in range(V):
             if P[i] >= tau:
                 mass += P[i]
-        if mass >= top_p or tau == 0:
+                cnt += 1
+        if cnt >= top_k or (nucleus and mass >= top_p) or tau == 0:
             break
         tau = tau * 0.25 if tau > 1e-30 else 0
     n = 0
@@ -5069,13 +5157,20 @@ cdef void dist_build_c(const float *lg, int V, double temp, double top_p, float 
             pairs[n].i = i
             n += 1
     qsort(pairs, n, sizeof(ProbIdx), cmp_prob_desc)
-    cum = 0.0
-    keep = n
-    for i in range(n):
-        cum += pairs[i].p
-        if cum >= top_p:
-            keep = i + 1
-            break
+    keep = n if n < top_k else top_k
+    if nucleus:
+        need = top_p                        # of the whole mass (1), or of the top_k tokens' mass
+        if top_k < V:
+            mass = 0.0
+            for i in range(keep):
+                mass += pairs[i].p
+            need = top_p * mass
+        cum = 0.0
+        for i in range(keep):
+            cum += pairs[i].p
+            if cum >= need:
+                keep = i + 1
+                break
     for i in range(V):
         P[i] = 0
     sum = 0.0

@@ -87,15 +87,15 @@ class LLM:
 
     # -- generation -------------------------------------------------------------------------------
 
-    def complete(self, prompt, max_tokens=None, temperature=None, top_p=None, seed=None, stop=None,
-                 draft=None, on_text=None, cancel: Optional[threading.Event] = None) -> Completion:
-        """Generate a continuation of ``prompt`` (text or token ids). ``stop``: strings that end the
-        generation (not included in the text); ``on_text(piece)`` receives the text as it comes;
-        ``cancel`` (an Event) ends it early. Settings left None come from the options. Returns a
+    def complete(self, prompt, stop=None, on_text=None, cancel: Optional[threading.Event] = None,
+                 **settings) -> Completion:
+        """Generate a continuation of ``prompt`` (text or token ids). ``settings``: any generation
+        option (max_tokens, temperature, top_p, top_k, repeat_penalty, repeat_last_n,
+        frequency_penalty, presence_penalty, seed, draft, ignore_eos; None: the LLM's options).
+        ``stop``: strings that end the generation (not included in the text); ``on_text(piece)``
+        receives the text as it comes; ``cancel`` (an Event) ends it early. Returns a
         :class:`Completion`."""
-        return self.session.generate(self._ids(prompt), max_tokens=max_tokens, temperature=temperature,
-                                     top_p=top_p, seed=seed, draft=draft, stop=stop or (), on_text=on_text,
-                                     cancel=cancel)
+        return self.session.generate(self._ids(prompt), stop=stop or (), on_text=on_text, cancel=cancel, **settings)
 
     def generate(self, prompt, **kw) -> str:
         """The generated text (see :meth:`complete` for the arguments)."""

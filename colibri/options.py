@@ -85,6 +85,16 @@ def _top_p(v):
         return f"must be in (0, 1], got {v!r}"
 
 
+def _penalty_factor(v):
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
+        return f"must be a number > 0 (1 = off), got {v!r}"
+
+
+def _finite(v):
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        return f"must be a finite number, got {v!r}"
+
+
 def _seed(v):
     if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
         return f"must be an integer, got {v!r}"
@@ -155,6 +165,20 @@ class Options:
     temperature: float = _opt(0.7, "generation", "sampling temperature; 0 = greedy (default %(default)s)",
                               short="-t", check=_temperature)
     top_p: float = _opt(0.9, "generation", "nucleus sampling mass (default %(default)s)", check=_top_p)
+    top_k: int = _opt(0, "generation", "sample from the K most likely tokens only (default 0: all)", metavar="K",
+                      check=_int_at_least(0))
+    repeat_penalty: float = _opt(1.0, "generation", "divide the logits of tokens seen in the last --repeat-last-n "
+                                 "tokens by this (transformers' repetition_penalty; default 1.0: off)",
+                                 metavar="X", check=_penalty_factor)
+    repeat_last_n: int = _opt(64, "generation", "how many of the last tokens (prompt included) the penalties look "
+                              "at (default %(default)s; -1 = all, 0 = penalties off)", metavar="N",
+                              check=_int_at_least(-1))
+    frequency_penalty: float = _opt(0.0, "generation", "lower a token's logit by this per occurrence in the last "
+                                    "--repeat-last-n tokens (OpenAI's frequency_penalty; default 0)", metavar="X",
+                                    check=_finite)
+    presence_penalty: float = _opt(0.0, "generation", "lower the logit of a token present in the last "
+                                   "--repeat-last-n tokens by this (OpenAI's presence_penalty; default 0)",
+                                   metavar="X", check=_finite)
     seed: Optional[int] = _opt(None, "generation", "RNG seed for sampling (default: from the clock; the seed used "
                                "is reported)", check=_seed)
     draft: Union[str, int] = _opt("auto", "generation", "speculative draft depth: auto (default) picks the depth, 0 "
@@ -198,6 +222,12 @@ class Options:
                     absorb={"auto": -1, "never": 0, "always": 1}[self.absorb], dsa_force=self.dsa_force,
                     threads=self.threads, io_threads=self.io_threads, prefetch=self.prefetch, direct=self.direct)
 
+    def sampler_kwargs(self) -> dict:
+        """The keyword arguments of ``_core.Sampler`` (besides the vocabulary and the seed)."""
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                    repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
+                    frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty)
+
     def tier_kwargs(self) -> dict:
         """The keyword arguments of ``tiers.configure`` (besides the model and the context)."""
         return dict(requested=self.cache_experts, ram_gb=self.ram_gb, pin=self.pin, pin_gb=self.pin_gb,
@@ -212,6 +242,10 @@ class Options:
         kw = {name: v for name, (v, _) in got.items()}
         kw.update(overrides)
         return _checked(cls, kw, lambda name: name if name in overrides else got.get(name, (0, name))[1])
+
+
+#: The settings a single generation may change (Session.generate, LLM.complete, a server request).
+GENERATION_FIELDS = tuple(f.name for f in fields(Options) if f.metadata["group"] == "generation")
 
 
 # -- the environment -------------------------------------------------------------------------------

@@ -15,13 +15,15 @@ Endpoints (JSON in, JSON or Server-Sent Events out; errors in OpenAI's shape
 Request fields: ``model`` (optional; when given it must be the served id, else 404
 ``model_not_found``), ``max_tokens`` / ``max_completion_tokens`` (default: the engine option
 ``max_tokens``, 256, clipped to the room left in the context), ``temperature`` (0..2, default the
-engine option, 0.7; 0 = greedy), ``top_p`` ((0, 1], default 0.9), ``seed``, ``stop`` (a string or
-a list of up to 16), ``stream``, ``stream_options.include_usage``, ``n`` (only 1); ``user``,
+engine option, 0.7; 0 = greedy), ``top_p`` ((0, 1], default 0.9), ``top_k`` (0 = off),
+``repetition_penalty`` (or llama.cpp's ``repeat_penalty``; 1 = off), ``frequency_penalty`` and
+``presence_penalty`` ([-2, 2]; the penalties look at the last ``repeat_last_n`` tokens, an engine
+option, 64), ``seed``, ``stop`` (a string or a list of up to 16), ``stream``, ``stream_options.include_usage``, ``n`` (only 1); ``user``,
 ``safety_identifier``, ``prompt_cache_key``, ``metadata``, ``service_tier`` (auto/default) and
 ``parallel_tool_calls`` are accepted and have no effect here. OpenAI fields this server cannot
 honour are refused with a 400 unless they carry their neutral value (null, false, 0, "none", [],
 {"type": "text"}, ...): tools / tool_choice / functions / function_call, logprobs / top_logprobs,
-n > 1, frequency / presence penalties, logit_bias, response_format other than text, audio,
+n > 1, logit_bias, response_format other than text, audio,
 modalities other than text, prediction, reasoning_effort, store, echo, suffix, best_of > 1,
 message ``tool_calls``, roles tool/function, non-text content parts. Unknown fields are refused
 too (``unknown_parameter``): nothing is silently ignored.
@@ -227,18 +229,18 @@ def _is_num(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-_CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
+_PENALTY_FIELDS = {"top_k", "repetition_penalty", "repeat_penalty", "frequency_penalty", "presence_penalty"}
+_CHAT_FIELDS = _PENALTY_FIELDS | {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
                 "stop", "stream", "stream_options", "n", "user", "safety_identifier", "prompt_cache_key",
                 "metadata", "store", "service_tier",
                 # refused unless neutral
                 "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "logprobs",
-                "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias", "response_format",
+                "top_logprobs", "logit_bias", "response_format",
                 "modalities", "audio", "prediction", "reasoning_effort", "web_search_options", "verbosity"}
-_COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
+_COMPLETION_FIELDS = _PENALTY_FIELDS | {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
                       "stream_options", "n", "user", "safety_identifier", "prompt_cache_key",
                       # refused unless neutral
-                      "logprobs", "echo", "suffix", "best_of", "frequency_penalty", "presence_penalty",
-                      "logit_bias"}
+                      "logprobs", "echo", "suffix", "best_of", "logit_bias"}
 
 
 def _neutral(v, *allowed) -> bool:
@@ -267,10 +269,6 @@ def _check_neutral(body: dict):
     if not _neutral(body.get("top_logprobs"), None, 0):
         raise _unsupported("'top_logprobs' is not supported: this server does not return log probabilities",
                            "top_logprobs")
-    for name in ("frequency_penalty", "presence_penalty"):
-        v = body.get(name)
-        if v is not None and (not _is_num(v) or v != 0):
-            raise _unsupported(f"'{name}' is not supported (only 0)", name)
     if nonempty("logit_bias"):
         raise _unsupported("'logit_bias' is not supported", "logit_bias")
     rf = body.get("response_format")
@@ -301,6 +299,31 @@ def _check_neutral(body: dict):
             raise _bad(f"'{name}' must be a string", name, "invalid_type")
 
 
+def _penalties(body: dict, defaults) -> dict:
+    """top_k (vLLM, llama.cpp's server), repetition_penalty (transformers, vLLM; llama.cpp's
+    repeat_penalty too) and OpenAI's frequency/presence penalties, validated; defaults: the
+    server's options."""
+    out = {}
+    k = body.get("top_k")
+    if k is not None and (not _is_int(k) or k < -1):
+        raise _bad(f"'top_k' must be an integer >= 0 (0 or -1: off), got {k!r}", "top_k")
+    out["top_k"] = defaults.top_k if k is None else max(int(k), 0)
+    rp, alias = body.get("repetition_penalty"), body.get("repeat_penalty")
+    if rp is not None and alias is not None and rp != alias:
+        raise _bad("give 'repetition_penalty' or 'repeat_penalty', not both with different values",
+                   "repeat_penalty")
+    name, rp = ("repetition_penalty", rp) if rp is not None else ("repeat_penalty", alias)
+    if rp is not None and (not _is_num(rp) or not 0 < rp <= 10):
+        raise _bad(f"'{name}' must be a number in (0, 10] (1 = off), got {rp!r}", name)
+    out["repeat_penalty"] = defaults.repeat_penalty if rp is None else float(rp)
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = body.get(name)
+        if v is not None and (not _is_num(v) or not -2 <= v <= 2):
+            raise _bad(f"'{name}' must be a number in [-2, 2], got {v!r}", name)
+        out[name] = getattr(defaults, name) if v is None else float(v)
+    return out
+
+
 def _sampling(body: dict, defaults) -> dict:
     """The common generation fields, validated (max_tokens is checked against the context later)."""
     out = {}
@@ -327,6 +350,7 @@ def _sampling(body: dict, defaults) -> dict:
     if p is not None and (not _is_num(p) or not 0 < p <= 1):
         raise _bad(f"'top_p' must be a number in (0, 1], got {p!r}", "top_p")
     out["top_p"] = defaults.top_p if p is None else float(p)
+    out.update(_penalties(body, defaults))
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not -(1 << 63) <= seed < (1 << 64)):
         raise _bad(f"'seed' must be a 64-bit integer, got {seed!r}", "seed")
@@ -785,6 +809,8 @@ class _Handler(BaseHTTPRequestHandler):
         ticket = _Ticket()
         cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         kw = dict(max_tokens=req["max_tokens"], temperature=req["temperature"], top_p=req["top_p"],
+                  top_k=req["top_k"], repeat_penalty=req["repeat_penalty"],
+                  frequency_penalty=req["frequency_penalty"], presence_penalty=req["presence_penalty"],
                   seed=req["seed"], stop=req["stop"], cancel=ticket.cancel)
         waited = srv.scheduler.acquire(ticket)           # 429 / 503 raised here, before any header
         created = int(time.time())

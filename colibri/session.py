@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
-from .options import Options
+from .options import GENERATION_FIELDS, Options
 
 #: KV positions a session keeps when neither the options nor the caller give a context.
 DEFAULT_CONTEXT = 4096
@@ -155,19 +155,20 @@ class Session:
 
     # -- the driver -------------------------------------------------------------------------------
 
-    def generate(self, prompt_ids, *, max_tokens=None, temperature=None, top_p=None, seed=None, draft=None,
-                 ignore_eos=None, stop: Sequence[str] = (), on_text: Optional[Callable[[str], None]] = None,
-                 cancel: Optional[threading.Event] = None, progress=None) -> Generation:
-        """Generate a continuation of ``prompt_ids``. Settings left None come from the session's
-        options. ``stop``: strings that end the generation (not in the text); ``on_text(piece)``
-        receives the text as it comes; ``cancel`` (an Event) ends it early; ``progress(done,
-        total)`` is the prefill's progress callback."""
+    def generate(self, prompt_ids, *, stop: Sequence[str] = (), on_text: Optional[Callable[[str], None]] = None,
+                 cancel: Optional[threading.Event] = None, progress=None, **settings) -> Generation:
+        """Generate a continuation of ``prompt_ids``. ``settings``: generation options for this call
+        (max_tokens, temperature, top_p, top_k, repeat_penalty, repeat_last_n, frequency_penalty,
+        presence_penalty, seed, draft, ignore_eos; None or absent: the session's). ``stop``: strings
+        that end the generation (not in the text); ``on_text(piece)`` receives the text as it comes;
+        ``cancel`` (an Event) ends it early; ``progress(done, total)`` is the prefill's progress
+        callback."""
         from ._core import Sampler
         from .draft import DraftPolicy
-        o = self.options
-        o = o.replace(**{k: v for k, v in dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                               seed=seed, draft=draft, ignore_eos=ignore_eos).items()
-                                  if v is not None})
+        other = sorted(set(settings) - set(GENERATION_FIELDS))
+        if other:
+            raise TypeError(f"generate() got an unexpected setting {other[0]!r}")
+        o = self.options.replace(**{k: v for k, v in settings.items() if v is not None})
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) for s in stops):
             raise ValueError("stop must be a string or a list of strings")
@@ -205,7 +206,7 @@ class Session:
             t1 = time.perf_counter()
             try:
                 out, kv = m.spec_decode(history, len(ids), o.max_tokens, logits,
-                                        Sampler(self.cfg.vocab, o.temperature, o.top_p, seed), policy,
+                                        Sampler(self.cfg.vocab, seed=seed, **o.sampler_kwargs()), policy,
                                         stops=() if o.ignore_eos else self.eos, emit=emit)
                 self.history = history[:kv]
                 if len(out) < o.max_tokens:

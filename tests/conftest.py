@@ -37,14 +37,15 @@ def oracle_dir(name):
     return DATA / name
 
 
-def decode(m, prompt, n_new, mode, temperature=0.0, seed=None, top_p=1.0):
+def decode(m, prompt, n_new, mode, temperature=0.0, seed=None, top_p=1.0, **settings):
     """n_new tokens after prompt through the one driver (colibri.session), draft mode `mode`, end-of-
-    sequence tokens ignored, the model's cache as the test set it up -> (tokens, draft policy)."""
+    sequence tokens ignored, the model's cache as the test set it up -> (tokens, draft policy).
+    settings: other generation options (top_k, repeat_penalty, ...)."""
     from colibri.options import Options
     from colibri.session import Session, positions_needed
     s = Session(m, Options(draft=mode, ignore_eos=True), context=positions_needed(len(prompt), n_new, mode),
                 configure=False)
-    g = s.generate(prompt, max_tokens=n_new, temperature=temperature, top_p=top_p, seed=seed)
+    g = s.generate(prompt, max_tokens=n_new, temperature=temperature, top_p=top_p, seed=seed, **settings)
     return g.token_ids, s.policy
 
 

@@ -169,12 +169,12 @@ def next_logits():
     return m.step([3, 14, 159, 26, 53], 0) * 0.5     # a spread-out distribution
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.9])
+@pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.9, 0), (1.0, 24), (0.9, 40)])
 @pytest.mark.parametrize("which", ["likely", "unlikely", "impossible"])
-def test_sampled_acceptance_matches_target(next_logits, top_p, which):
+def test_sampled_acceptance_matches_target(next_logits, top_p, top_k, which):
     logits = next_logits.copy()
     logits[17] = -1e30                         # token 17 is impossible under p
-    s = _core.Sampler(VOCAB, 1.0, top_p, seed=1234)
+    s = _core.Sampler(VOCAB, 1.0, top_p, seed=1234, top_k=top_k)
     s.dist_build(logits)
     p = np.array(s.P, dtype=np.float64)
     order = np.argsort(-p, kind="stable")

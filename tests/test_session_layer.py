@@ -1,0 +1,302 @@
+"""The layer under every front end (issue 15): imports that point down, one generation driver, one
+Options object reaching every subcommand and colibri.load, and the behaviour users of llama.cpp
+expect from ``run`` and ``chat``."""
+import ast
+import errno
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import DATA
+
+ROOT = DATA.parent.parent
+PKG = ROOT / "colibri"
+FRONT_ENDS = {"cli", "runner", "chat", "server", "plan", "convert", "parity"}
+
+
+# -- structure -------------------------------------------------------------------------------------
+
+def _imports():
+    """module -> the colibri modules it imports anywhere (function-level imports included)."""
+    mods = {p.stem: p for p in PKG.glob("*.py")}
+    mods["_core"] = PKG / "_core.pyx"
+    graph = {}
+    for name, path in mods.items():
+        src, deps = path.read_text(), set()
+        if path.suffix == ".pyx":
+            for m in re.finditer(r"^\s*from\s+\.(\w*)\s+import\s+([\w, ]+)", src, re.M):
+                deps |= {m.group(1)} if m.group(1) else {x.strip() for x in m.group(2).split(",")}
+            deps |= set(re.findall(r"^\s*(?:import|from)\s+colibri\.(\w+)", src, re.M))
+        else:
+            for node in ast.walk(ast.parse(src)):
+                if isinstance(node, ast.ImportFrom) and node.level == 1:
+                    deps |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("colibri"):
+                    parts = node.module.split(".")
+                    deps |= {parts[1]} if len(parts) > 1 else {a.name for a in node.names}
+                elif isinstance(node, ast.Import):
+                    deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("colibri.")}
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def test_imports_form_no_circle_and_nothing_imports_a_front_end():
+    graph = _imports()
+    assert {"session", "options", "cli", "_core"} <= set(graph)
+    state = {}
+
+    def visit(m, path):
+        if state.get(m) == "done":
+            return
+        assert state.get(m) != "open", f"import circle: {' -> '.join(path + [m])}"
+        state[m] = "open"
+        for d in sorted(graph[m]):
+            visit(d, path + [m])
+        state[m] = "done"
+    for m in sorted(graph):
+        visit(m, [])
+    for m, deps in graph.items():
+        for d in deps & FRONT_ENDS:
+            assert m in ("cli", "__main__") and (d != "cli" or m == "__main__"), f"{m} imports the front end {d}"
+
+
+def test_one_generation_driver():
+    """Only colibri.session drives spec_decode; the front ends call Session.generate."""
+    callers = [p.name for p in PKG.glob("*.py") if ".spec_decode(" in p.read_text()]
+    assert callers == ["session.py"]
+    for name in ("runner.py", "api.py", "parity.py"):
+        assert "generate(" in (PKG / name).read_text()
+    assert "Session(" in (ROOT / "tests" / "conftest.py").read_text()
+
+
+def _help(*argv):
+    from colibri.cli import build_parser
+    ap = build_parser()
+    sub = next(a for a in ap._actions if a.dest == "command").choices[argv[0]]
+    return sub.format_help()
+
+
+def test_every_subcommand_takes_every_option_it_can_use():
+    from dataclasses import fields
+
+    from colibri.options import Options, flag_of
+    from colibri.plan import PLAN_OPTIONS
+    every = {f.name: flag_of(f) for f in fields(Options)}
+    engine = [every[f.name] for f in fields(Options) if f.metadata["group"] == "engine"]
+    for cmd in ("run", "chat", "serve"):
+        text = _help(cmd)
+        missing = [flag for flag in every.values() if flag not in text]
+        assert not missing, f"{cmd} --help lacks {missing}"
+    assert all(flag in _help("parity") for flag in engine)
+    assert all(every[name] in _help("plan") for name in PLAN_OPTIONS)
+
+
+def test_load_reaches_the_engine_and_generation_fields():
+    import colibri
+    llm = colibri.load(DATA / "tiny_dense", dense_bits=8, absorb="never", act_block=64, idot=1, top_k=1,
+                       temperature=1.5, max_tokens=6, draft=0)
+    try:
+        m = llm.model
+        assert (m.dense_bits, m.absorb, m.act_block, m.idot) == (8, 0, 64, 1)
+        # top_k 1 at temperature 1.5 is greedy: the generation settings reached the sampler
+        ids = [3, 14, 15, 92, 65]
+        assert llm.complete(ids).token_ids == llm.complete(ids, temperature=0, top_k=0).token_ids
+        with pytest.raises(TypeError, match="frobnicate"):
+            llm.complete(ids, frobnicate=1)
+    finally:
+        llm.close()
+
+
+def test_import_colibri_sets_no_openmp_variables():
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = ("import os, colibri, colibri.plan, colibri.convert\n"
+            "before = (os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))\n"
+            "import colibri._core\n"
+            "after = (os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))\n"
+            "print(before == (None, None), after != (None, None))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", "True"]
+
+
+# -- run -------------------------------------------------------------------------------------------
+
+def colibri(*args, env=None, check=True, **kw):
+    full = dict(os.environ, OMP_NUM_THREADS="2", **(env or {}))
+    p = subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
+                       env=full, timeout=300, cwd=ROOT, **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"exit {p.returncode}\nstdout: {p.stdout}\nstderr: {p.stderr}")
+    return p
+
+
+IDS = "3,14,15,92,65,35,89,79"
+
+
+def test_run_reports_seed_and_why_it_stopped(tmp_path):
+    stats = tmp_path / "s.json"
+    p = colibri("run", "-m", DATA / "tiny_dense", "--prompt-ids", IDS, "-n", 7, "--seed", 1234, "--ignore-eos",
+                "--stats-json", stats)
+    assert "stopped: --max-tokens reached | seed 1234" in p.stderr
+    s = json.loads(stats.read_text())
+    assert (s["finish_reason"], s["stopped_by"], s["seed"], len(s["tokens"])) == ("length", "length", 1234, 7)
+    # without --seed one is drawn and printed; the same seed gives the same tokens again
+    p = colibri("run", "-m", DATA / "tiny_dense", "--prompt-ids", IDS, "-n", 7, "--ignore-eos", "--stats-json", stats)
+    seed = int(re.search(r"seed (\d+)", p.stderr).group(1))
+    first = json.loads(stats.read_text())["tokens"]
+    colibri("run", "-m", DATA / "tiny_dense", "--prompt-ids", IDS, "-n", 7, "--ignore-eos", "--seed", seed,
+            "--stats-json", stats)
+    assert json.loads(stats.read_text())["tokens"] == first
+
+
+def test_run_stop_string_cuts_the_text(tmp_path):
+    whole = colibri("run", "def add(a, b):", "-n", 40, "-t", 0, "-q", "--ignore-eos").stdout.rstrip("\n")
+    assert len(whole) > 20
+    cut = whole[len(whole) // 2:len(whole) // 2 + 4]
+    at = whole.find(cut)
+    stats = tmp_path / "s.json"
+    p = colibri("run", "def add(a, b):", "-n", 40, "-t", 0, "--ignore-eos", "--stop", "@@never@@", "--stop", cut,
+                "--stats-json", stats)
+    assert p.stdout.rstrip("\n") == whole[:at]
+    assert "stopped: stop string" in p.stderr
+    s = json.loads(stats.read_text())
+    assert (s["finish_reason"], s["stopped_by"]) == ("stop", "stop")
+
+
+def test_run_top_k_one_and_penalties_from_the_command_line():
+    greedy = colibri("run", "-m", DATA / "tiny_dense", "--prompt-ids", IDS, "-n", 12, "-t", 0, "-q").stdout
+    assert colibri("run", "-m", DATA / "tiny_dense", "--prompt-ids", IDS, "-n", 12, "-t", 1.5, "--top-k", 1,
+                   "-q").stdout == greedy
+    penalized = colibri("run", "-m", DATA / "tiny_dense", "--prompt-ids", IDS, "-n", 12, "-t", 0, "-q",
+                        "--repeat-penalty", 3, "--frequency-penalty", 2).stdout
+    assert penalized != greedy
+
+
+@pytest.mark.parametrize("args,env,msg", [
+    (["hello", "--prompt-ids", "1,2"], {}, "not both"),
+    (["--prompt-ids", "1,2", "--ram", "-1"], {}, "--ram must be a positive number"),
+    (["--prompt-ids", "1,2"], {"COLIBRI_RAM_GB": "lots"}, "COLIBRI_RAM_GB='lots' is not a number"),
+    (["--prompt-ids", "1,2"], {"COLIBRI_THREADS": "-3"}, "COLIBRI_THREADS must be an integer >= 0"),
+    (["--prompt-ids", "1,2", "--threads", "-1"], {}, "--threads must be an integer >= 0"),
+    (["--prompt-ids", "1,2", "--pin-gb", "0"], {}, "--pin-gb must be a positive number"),
+    (["--prompt-ids", "1,2", "--top-k", "-2"], {}, "--top-k must be an integer >= 0"),
+    (["--prompt-ids", "1,2", "--repeat-penalty", "0"], {}, "--repeat-penalty must be a number > 0"),
+    (["--prompt-ids", "1,2", "--stats-json", "/nonexistent/dir/s.json"], {}, "--stats-json /nonexistent/dir"),
+    (["--prompt-ids", "1,2", "--trace", "/nonexistent/t.jsonl"], {}, "--trace /nonexistent"),
+])
+def test_run_refuses_bad_settings_by_their_own_name(args, env, msg):
+    t0 = time.perf_counter()
+    p = colibri("run", "-m", DATA / "tiny_dense", *args, env=env, check=False)
+    assert p.returncode == 1 and msg in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == ""      # refused before any generation
+
+
+def test_run_pin_entries_for_missing_layers_name_the_file(tmp_path):
+    pins = tmp_path / "pins.txt"
+    pins.write_text("1 0 5\n99 0 7\n")
+    p = colibri("run", "-m", DATA / "tiny_dense", "--prompt-ids", "1,2", "--pin", pins, check=False)
+    assert p.returncode == 1 and f"--pin {pins}:2: layer 99 does not exist" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("var", ["COLIBRI_MODEL", "COLI_MODEL"])
+def test_run_takes_the_model_from_colibri_model(var):
+    p = colibri("run", "--prompt-ids", IDS, "-n", 3, "-t", 0, env={var: str(DATA / "tiny_dense")})
+    assert f"{DATA / 'tiny_dense'}: " in p.stderr and "embedded default model" not in p.stderr
+    assert ("COLI_MODEL is now COLIBRI_MODEL" in p.stderr) == (var == "COLI_MODEL")
+
+
+def test_run_into_a_closed_pipe_ends_quietly():
+    """`colibri run ... | head -c 5`: the reader goes away; exit 0, no traceback."""
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    p = subprocess.Popen([sys.executable, "-m", "colibri", "run", "def f(x):", "-n", "1500", "-t", "0",
+                          "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    assert len(p.stdout.read(5)) == 5
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 0, err
+    assert "Traceback" not in err and "Broken pipe" not in err
+
+
+# -- chat ------------------------------------------------------------------------------------------
+
+def _chat(lines, hist, *extra, check=True):
+    env = dict(os.environ, OMP_NUM_THREADS="2", COLIBRI_USAGE_DIR=str(hist))
+    p = subprocess.run([sys.executable, "-m", "colibri", "chat", "-t", "0", "-n", "12", *extra],
+                       input="".join(line + "\n" for line in lines), capture_output=True, text=True, env=env,
+                       timeout=300, cwd=ROOT)
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def test_chat_ctrl_c_stops_the_answer_not_the_chat(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="2", COLIBRI_USAGE_DIR=str(tmp_path))
+    p = subprocess.Popen([sys.executable, "-m", "colibri", "chat", "-t", "0", "-n", "1500", "--ignore-eos",
+                          "--no-save"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env, cwd=ROOT)
+    p.stdin.write(b"def add(a, b):\n")
+    p.stdin.flush()
+    got = b""
+    while len(got) < 40:                      # the "> " prompt, then the answer streaming
+        chunk = os.read(p.stdout.fileno(), 4096)
+        assert chunk, p.stderr.read().decode()
+        got += chunk
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(b"class Stack:\n:stats\n:quit\n", timeout=300)
+    err = err.decode()
+    assert p.returncode == 0, err
+    assert "answer stopped (Ctrl-C)" in err and "Traceback" not in err
+    assert err.count("[stats] ") >= 2                     # the second question was answered
+
+
+def test_chat_full_context_says_what_to_do_or_drops_old_turns(tmp_path):
+    turns = ["def add(a, b):", "class Stack:", "import os", "x = [1, 2, 3]"]
+    p = _chat(turns, tmp_path / "a", "--context", "60", "--no-save")
+    assert ":reset starts a new conversation" in p.stderr
+    p = _chat(turns, tmp_path / "b", "--context", "60", "--no-save", "--context-policy", "drop-oldest")
+    assert "were dropped to make room" in p.stderr and "exceed the context" not in p.stderr
+    assert p.stderr.count("[stats] ") == len(turns)
+
+
+def test_chat_checks_max_tokens_at_start_up(tmp_path):
+    p = _chat(["never read"], tmp_path, "-n", "100000", check=False)
+    assert p.returncode == 1 and "--max-tokens (100000)" in p.stderr and "context" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_chat_shows_the_reopened_conversation(tmp_path):
+    _chat(["def add(a, b):"], tmp_path)
+    p = _chat([":quit"], tmp_path)
+    assert "reopened the conversation" in p.stderr and "> def add(a, b):" in p.stderr
+
+
+def test_a_failed_save_is_a_warning_and_a_second_chat_is_refused(tmp_path, monkeypatch):
+    import colibri
+    from colibri import kvstore
+    from colibri.chat import ChatError, ChatSession
+
+    def full_disk(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    llm = colibri.load(max_tokens=4, temperature=0, context=128, ignore_eos=True)
+    try:
+        path = str(tmp_path / "conv.kv")
+        s = ChatSession(llm, path=path)
+        with pytest.raises(ChatError, match="--session NAME"):
+            ChatSession(llm, path=path)               # the first one holds the conversation
+        monkeypatch.setattr(kvstore, "save_session", full_disk)
+        c = s.ask("def add(a, b):")
+        assert c.completion_tokens == 4 and "No space left" in s.warning and "goes on in memory" in s.warning
+        monkeypatch.undo()
+        s.ask("class Stack:")
+        assert s.warning == "" and os.path.exists(path)
+        s.close()
+        ChatSession(llm, path=path).close()           # free again once the first is closed
+    finally:
+        llm.close()
