@@ -51,14 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
     from . import convert
     convert.add_arguments(c)
 
+    from . import parity
     p = sub.add_parser("parity", help="compare the engine against reference outputs",
-                       description="Teacher-forcing and greedy agreement against a reference JSON "
-                                   "(prompt_ids, full_ids, tf_pred, optional logits).")
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Teacher-forcing, greedy and logit agreement against a reference JSON made "
+                                   "with HF transformers (tools/make_oracle.py writes them). Exit 0 when all hold.",
+                       epilog=parity.FORMAT % parity.LOGIT_RTOL
+                       + "\n\nexamples:\n  python -m colibri parity /data/glm52-int4 ref.json\n"
+                         "  python -m colibri parity DIR ref.json --idot 0 --max-logit-diff 1e-4 --json")
     p.add_argument("model", help="model directory")
-    p.add_argument("ref", help="reference JSON file")
+    p.add_argument("ref", help="reference JSON file (format below)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--max-logit-diff", type=float, default=None,
-                   help="also fail when the largest |Δlogit| exceeds this")
+    p.add_argument("--max-logit-diff", type=float, default=None, metavar="X",
+                   help="largest |Δlogit| that passes (default: %g of the reference's largest |logit|)"
+                        % parity.LOGIT_RTOL)
     add_arguments(p, groups=("engine",))
 
     h = sub.add_parser("chat", help="interactive conversation (streams answers, reopens after a restart)",

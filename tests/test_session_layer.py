@@ -300,3 +300,68 @@ def test_a_failed_save_is_a_warning_and_a_second_chat_is_refused(tmp_path, monke
         ChatSession(llm, path=path).close()           # free again once the first is closed
     finally:
         llm.close()
+
+
+# -- parity ----------------------------------------------------------------------------------------
+
+def _ref(name="tiny_dsa"):
+    return json.loads((DATA / name / "ref.json").read_text())
+
+
+def _parity(model, ref, tmp_path, *extra):
+    path = tmp_path / "ref.json"
+    path.write_text(json.dumps(ref))
+    return colibri("parity", model, path, *extra, check=False)
+
+
+def test_parity_help_specifies_the_reference_format():
+    text = _help("parity")
+    for field in ("prompt_ids", "full_ids", "tf_pred", "logits", "[T, V]", "--max-logit-diff"):
+        assert field in text
+
+
+def test_parity_says_when_the_reference_is_ambiguous(tmp_path):
+    """A reference whose greedy continuation leaves its own teacher forcing at some position (as
+    transformers' prefix and full forwards do on a DSA top-k tie): greedy is compared up to it,
+    and the verdict says so instead of a bare FAILED."""
+    from colibri import model_init
+    ref = _ref()
+    P = len(ref["prompt_ids"])
+    full = ref["full_ids"][:P + 3] + [(t * 7 + 3) % 256 for t in ref["full_ids"][P + 3:]]
+    m = model_init(DATA / "tiny_dsa")
+    pred, logits = m.forward_all(full)          # what a full forward over this sequence predicts
+    m.close()
+    ref.update(full_ids=full, tf_pred=[int(t) for t in pred], logits=logits.tolist())
+    assert pred[P + 2] != full[P + 3]
+    p = _parity(DATA / "tiny_dsa", ref, tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"ambiguous at position {P + 2}" in p.stdout and "greedy:          4/4 tokens" in p.stdout
+    assert "PARITY OK" in p.stdout
+    res = json.loads(_parity(DATA / "tiny_dsa", ref, tmp_path, "--json").stdout)
+    assert res["ambiguous_at"] == P + 2 and res["pass"] is True
+
+
+def test_parity_logit_tolerance_is_part_of_the_verdict(tmp_path):
+    ref = _ref()
+    ref["logits"][7][3] += 0.05                 # argmaxes unchanged, one logit off by 0.05
+    p = _parity(DATA / "tiny_dsa", ref, tmp_path)
+    assert p.returncode == 1 and "PARITY FAILED" in p.stdout and "tolerance" in p.stdout
+    assert "teacher forcing: 32/32" in p.stdout
+    assert _parity(DATA / "tiny_dsa", ref, tmp_path, "--max-logit-diff", "0.1").returncode == 0
+
+
+@pytest.mark.parametrize("change,msg", [
+    (lambda r: r.update(tf_pred=r["tf_pred"][:-1]), "'tf_pred' has 31 entries, 'full_ids' 32"),
+    (lambda r: r.update(prompt_ids=[]), "'prompt_ids' is empty"),
+    (lambda r: r.update(full_ids=[9] + r["full_ids"][1:]), "does not start with 'prompt_ids'"),
+    (lambda r: r.update(logits=[row[:10] for row in r["logits"]]), "reference logits have shape [32, 10]"),
+    (lambda r: r.update(logits=r["logits"][:5]), "'logits' has shape [5, 256], expected [32, V]"),
+    (lambda r: r["full_ids"].__setitem__(20, 4096), "outside this model's vocabulary"),
+    (lambda r: r.update(tf_pred="x"), "'tf_pred' must be a list of token ids"),
+])
+def test_parity_refuses_a_malformed_reference(tmp_path, change, msg):
+    ref = _ref()
+    change(ref)
+    p = _parity(DATA / "tiny_dsa", ref, tmp_path)
+    assert p.returncode == 1 and msg in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
