@@ -1664,6 +1664,23 @@ cdef class Work:
             setattr(self, name, np.zeros(shape, dt))
 
 
+class KVState:
+    """The KV state of positions 0 .. n-1 (Model.kv_snapshot / kv_restore): each layer's first
+    valid position (kv_start), the MTP head's window (rows mtp_start .. n-1, mtp_start -1: none;
+    mtp_next: its first position not yet absorbed) and hlast (the last position's residual row
+    [D], or None). ``rows(kind, layer)``: the cache rows the state covers, for colibri.kvstore."""
+
+    def __init__(self, n, kv_start, mtp_start=-1, mtp_next=0, hlast=None):
+        self.n, self.kv_start = int(n), list(kv_start)
+        self.mtp_start, self.mtp_next, self.hlast = int(mtp_start), int(mtp_next), hlast
+        self._model = None
+
+    def rows(self, kind, int layer):
+        m = self._model
+        start = self.mtp_start if layer == m.cfg.n_layers else 0
+        return m.kv_rows(kind, layer, start, self.n)
+
+
 cdef class Model:
     """A loaded glm_moe_dsa model: resident dense weights, streamed experts, KV cache, stats.
 
@@ -2135,6 +2152,74 @@ cdef class Model:
         self.mtp_next = 0
         self.Ic = [np.zeros((max_t, c.index_hd), np.float32) if (self.has_dsa and c.idx_full[i]) else None
                    for i in range(c.n_layers)]
+
+    # -- KV snapshot / restore (colibri.kvstore writes them to a file) -------------------------
+
+    def kv_snapshot(self, int n):
+        """The KV state of positions 0 .. n-1, as views of the cache (no copy; valid until the next
+        forward): a KVState whose ``rows(kind, layer)`` are what a restore must write back."""
+        c = self.cfg
+        NL = int(c.n_layers)
+        if n and (self.Lc is None or n > self.max_t):
+            raise ValueError(f"a history of {n} tokens but the KV cache holds "
+                             f"{self.max_t if self.Lc is not None else 0} positions")
+        st = KVState(n, [int(self.kv_start[i]) for i in range(NL)] if self.Lc is not None else [0] * NL)
+        if self.has_mtp and self.Lc is not None:
+            st.mtp_next = min(int(self.mtp_next), n)
+            a = int(self.kv_start[NL])
+            # rows a .. n-1: the valid window a .. mtp_next-1 plus the rows below n that a later pass
+            # of the MTP head could read before rewriting them, so the restored state equals the saved
+            # one at every position < n
+            if 0 <= a < n:
+                st.mtp_start = a
+        if self.hlast is not None and n > 0:
+            st.hlast = np.ascontiguousarray(np.asarray(self.hlast, np.float32).reshape(-1))
+            if st.hlast.size != c.hidden:
+                raise ValueError(f"hlast has {st.hlast.size} elements, expected {c.hidden}")
+        st._model = self
+        return st
+
+    def kv_index_layers(self):
+        """The layers whose DSA indexer keys the KV cache keeps (as kv_alloc allocates them)."""
+        c = self.cfg
+        if self.Ic is not None:
+            return [i for i in range(c.n_layers) if self.Ic[i] is not None]
+        return [i for i in range(c.n_layers) if self.has_dsa and c.idx_full[i]]
+
+    def kv_rows(self, kind, int layer, int start, int n):
+        """The cache rows start .. n-1 of ``kind`` ('Lc', 'Rc' or 'Ic') at ``layer`` (the MTP head
+        is layer n_layers): a writable view for a restore to fill."""
+        arrs = {"Lc": self.Lc, "Rc": self.Rc, "Ic": self.Ic}.get(kind)
+        if arrs is None or not 0 <= layer < len(arrs) or arrs[layer] is None:
+            raise ValueError(f"the KV cache has no {kind} rows at layer {layer}")
+        if not 0 <= start <= n <= self.max_t:
+            raise ValueError(f"KV rows {start}..{n} outside the cache of {self.max_t} positions")
+        return arrs[layer][start:n]
+
+    def kv_reserve(self, int need):
+        """A KV cache of at least ``need`` positions (grown, emptied, when smaller)."""
+        if self.Lc is None or self.max_t < need:
+            self.kv_alloc(max(self.max_t or 0, need))
+
+    def kv_clear(self):
+        """Every KV row invalid (a restore that failed half-way)."""
+        self.kv_alloc(self.max_t)
+
+    def kv_restore(self, st):
+        """Install a restored state's positions and MTP window (its rows already written through
+        kv_rows); the last forward's residual rows are dropped (they belong to no position now)."""
+        c = self.cfg
+        NL = int(c.n_layers)
+        if len(st.kv_start) != NL:
+            raise ValueError(f"kv_start has {len(st.kv_start)} entries, the model {NL} layers")
+        kv_start = list(self.kv_start)
+        kv_start[:NL] = [int(v) for v in st.kv_start]
+        if self.has_mtp:
+            kv_start[NL] = int(st.mtp_start)          # -1: no saved window, the head starts afresh
+            self.mtp_next = int(st.mtp_next)
+        self.kv_start = kv_start
+        self.hlast = st.hlast
+        self.h_all = None          # a stale prefill's residual rows must not feed the MTP catch-up
 
     # -- scratch -------------------------------------------------------------------------------
 

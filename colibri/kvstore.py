@@ -103,18 +103,11 @@ def model_fingerprint(model) -> dict:
             "files": [[os.path.basename(p), os.stat(p).st_size] for p in paths]}
 
 
-def _ic_layers(model):
-    c = model.cfg
-    if model.Ic is not None:
-        return [i for i in range(c.n_layers) if model.Ic[i] is not None]
-    return [i for i in range(c.n_layers) if model.has_dsa and c.idx_full[i]]     # as kv_alloc
-
-
 def _layout(model) -> dict:
     c = model.cfg
     return {"n_layers": int(c.n_layers), "hidden": int(c.hidden), "vocab": int(c.vocab),
             "kv_lora": int(c.kv_lora), "qk_rope": int(c.qk_rope), "index_hd": int(c.index_hd),
-            "ic_layers": _ic_layers(model), "mtp": bool(model.has_mtp)}
+            "ic_layers": model.kv_index_layers(), "mtp": bool(model.has_mtp)}
 
 
 def _sections(lay, n, mtp_start, has_hlast, with_mtp=True):
@@ -203,34 +196,17 @@ def save_session(path, model, history, meta=None) -> int:
     n = int(toks.size)
     if n and (int(toks.min()) < 0 or int(toks.max()) >= c.vocab):
         raise ValueError(f"history holds a token id outside the vocabulary [0, {c.vocab})")
-    if n and (model.Lc is None or n > model.max_t):
-        raise ValueError(f"a history of {n} tokens but the KV cache holds "
-                         f"{model.max_t if model.Lc is not None else 0} positions")
+    st = model.kv_snapshot(n)                  # ValueError when the cache holds fewer positions
     lay = _layout(model)
-    kv_start = [int(model.kv_start[i]) for i in range(NL)] if model.Lc is not None else [0] * NL
-    mtp_start, mtp_next = -1, 0
-    if model.has_mtp and model.Lc is not None:
-        mtp_next = min(int(model.mtp_next), n)
-        a = int(model.kv_start[NL])
-        # Rows a .. n-1: the valid window a .. mtp_next-1 plus the rows below n that a later
-        # pass of the MTP head could read before rewriting them, so the restored state equals
-        # the saved one at every position < n.
-        if 0 <= a < n:
-            mtp_start = a
-    hl = model.hlast
-    has_hlast = hl is not None and n > 0
-    if has_hlast:
-        hl = np.ascontiguousarray(np.asarray(hl, np.float32).reshape(-1))
-        if hl.size != c.hidden:
-            raise ValueError(f"hlast has {hl.size} elements, expected {c.hidden}")
+    has_hlast = st.hlast is not None
     header = {
         "format": "colibri-kv-session",
         "n": n,
         "fingerprint": model_fingerprint(model),
         "layout": lay,
-        "kv_start": kv_start,
-        "mtp_start": mtp_start,
-        "mtp_next": mtp_next,
+        "kv_start": st.kv_start,
+        "mtp_start": st.mtp_start,
+        "mtp_next": st.mtp_next,
         "hlast": bool(has_hlast),
         "engine": {k: int(getattr(model, k)) for k in
                    ("idot", "act_block", "dense_bits", "expert_bits", "absorb")
@@ -239,7 +215,7 @@ def save_session(path, model, history, meta=None) -> int:
         "meta": meta,
     }
     hjson = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    secs = _sections(lay, n, mtp_start, has_hlast)
+    secs = _sections(lay, n, st.mtp_start, has_hlast)
     data_off = _align(_PREFIX.size + len(hjson))
     trailer_off = data_off + sum(_nbytes(s) for s in secs)
     total = trailer_off + _TRAILER.size
@@ -248,11 +224,8 @@ def save_session(path, model, history, meta=None) -> int:
         if kind == "tokens":
             return toks.astype(_I32)
         if kind == "hlast":
-            return hl
-        arrs = {"Lc": model.Lc, "Rc": model.Rc, "Ic": model.Ic}[kind]
-        if i == NL:
-            return arrs[i][mtp_start:n]
-        return arrs[i][:n]
+            return st.hlast
+        return st.rows(kind, i)
 
     tmp = path + ".tmp"
     folder = os.path.dirname(os.path.abspath(path))
@@ -465,36 +438,24 @@ def load_session(path, model, *, reserve=256):
         need = max(n + int(reserve), 1)
         if c.max_positions:
             need = max(min(need, c.max_positions + 64), n)
-        if model.Lc is None or model.max_t < need:
-            model.kv_alloc(max(model.max_t or 0, need))      # ValueError (e.g. memory): model untouched
+        model.kv_reserve(need)                         # ValueError (e.g. memory): model untouched
+        from ._core import KVState
+        st = KVState(n, ks, mtp_a if lay["mtp"] else -1, mtp_m if lay["mtp"] else 0, hlast)
+        st._model = model
         try:
             for j, (kind, i, _, shape) in enumerate(secs):
                 if kind in ("tokens", "hlast") or not _nbytes(secs[j]):
                     continue
-                if i == NL:
-                    if not model.has_mtp:
-                        continue                        # saved with a head this model has not loaded
-                    dest = {"Lc": model.Lc, "Rc": model.Rc}[kind][i][mtp_a:n]
-                else:
-                    dest = {"Lc": model.Lc, "Rc": model.Rc, "Ic": model.Ic}[kind][i][:n]
+                if i == NL and not model.has_mtp:
+                    continue                            # saved with a head this model has not loaded
+                dest = st.rows(kind, i)
                 if tuple(dest.shape) != tuple(shape) or not dest.flags.c_contiguous:
                     raise bad(f"internal: KV array {kind}[{i}] has shape {dest.shape}, expected {shape}")
                 read_section(j, dest)
         except (OSError, SessionError) as e:
-            model.kv_alloc(model.max_t)                  # never leave a half-restored cache
+            model.kv_clear()                             # never leave a half-restored cache
             why = e.reason if isinstance(e, SessionError) else f"cannot read: {e.strerror or e}"
             raise bad(f"{why}; the KV cache was cleared") from e
-        kv_start = list(model.kv_start)
-        kv_start[:NL] = [int(v) for v in ks]
-        if model.has_mtp:
-            if lay["mtp"]:
-                kv_start[NL] = int(mtp_a)
-                model.mtp_next = int(mtp_m)
-            else:
-                kv_start[NL] = -1                       # no saved window: the head starts afresh
-                model.mtp_next = 0
-        model.kv_start = kv_start
-        model.hlast = hlast
-        model.h_all = None          # a stale prefill's residual rows must not feed the MTP catch-up
+        model.kv_restore(st)
     meta = hdr.get("meta")
     return [int(t) for t in toks.tolist()], (meta if meta is not None else {})
