@@ -401,7 +401,7 @@ SWITCHES = {
     "GEMM_MIN_ROWS": ("8", "rows from which a batch takes the AMX GEMM"),
     "GEMM_VNNI_MIN_ROWS": ("16", "rows from which a batch takes the AVX-512 VNNI GEMM (0: never)"),
     "SPIN": ("auto", "how OpenMP threads wait at barriers: auto (spin a bounded time when the CPUs are "
-                     "idle at start-up), on, off (sleep); read when colibri is imported"),
+                     "idle at start-up), on, off (sleep); read when the engine extension loads"),
     "PARALLEL_MIN_MACS": ("", "multiply-adds from which a matmul is split over the threads (default "
                               "2^15, 2^22 with passive OpenMP waits)"),
     "BLOCK_SUMS": ("1", "0 turns off the int4/int8 tiles' precomputed activation block sums"),

@@ -365,3 +365,12 @@ def test_parity_refuses_a_malformed_reference(tmp_path, change, msg):
     p = _parity(DATA / "tiny_dsa", ref, tmp_path)
     assert p.returncode == 1 and msg in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_readme_documents_every_option_and_switch():
+    from dataclasses import fields
+
+    from colibri.options import SWITCHES, Options, flag_of
+    text = (ROOT / "README.md").read_text()
+    assert [flag_of(f) for f in fields(Options) if not re.search("`" + re.escape(flag_of(f)) + "[` ,]", text)] == []
+    assert [k for k in SWITCHES if f"`COLIBRI_{k}`" not in text] == []
