@@ -531,6 +531,15 @@ def _read_rows(index: SafeTensorsDir, it: PlanItem, r0: int, r1: int,
     return x
 
 
+def _finite_rows(index, it, r0, r1, scales, block):
+    """Rows r0 .. r1-1 of ``it`` as f32 [r1 - r0, I]; a NaN or infinity is an error naming the row."""
+    x = _read_rows(index, it, r0, r1, scales, block)
+    bad = ~np.isfinite(x)
+    if bad.any():
+        raise _nonfinite_error(it, r0 + int(np.argmax(bad.any(axis=1))))
+    return x
+
+
 def _nonfinite_error(it: PlanItem, row: Optional[int]) -> ContainerError:
     where = f"{it.src.path}: tensor {it.src.name!r}"
     if it.out_name != it.src.name:
@@ -553,11 +562,7 @@ def _convert_item(index: SafeTensorsDir, it: PlanItem, out: Dict[str, np.ndarray
         dst = np.empty((O, I), dtype=np.float32)
         for r0 in range(0, O, step):
             r1 = min(O, r0 + step)
-            x = _read_rows(index, it, r0, r1, scales, block)
-            bad = ~np.isfinite(x)
-            if bad.any():
-                raise _nonfinite_error(it, r0 + int(np.argmax(bad.any(axis=1))))
-            dst[r0:r1] = x
+            dst[r0:r1] = _finite_rows(index, it, r0, r1, scales, block)
         out[it.out_name] = dst
         return
     rb = quant.payload_nbytes(it.fmt, 1, I)
@@ -565,10 +570,7 @@ def _convert_item(index: SafeTensorsDir, it: PlanItem, out: Dict[str, np.ndarray
     qs = np.empty(O if it.group == 0 else (O, quant.n_groups(I, it.group)), dtype=np.float32)
     for r0 in range(0, O, step):
         r1 = min(O, r0 + step)
-        x = _read_rows(index, it, r0, r1, scales, block)
-        bad = ~np.isfinite(x)
-        if bad.any():
-            raise _nonfinite_error(it, r0 + int(np.argmax(bad.any(axis=1))))
+        x = _finite_rows(index, it, r0, r1, scales, block)
         v, s = quant.quantize_groups(x, it.bits, it.group)   # groups lie within rows: any row block
         payload[r0 * rb : r1 * rb] = quant.pack(v, it.fmt).reshape(-1)
         qs[r0:r1] = s
