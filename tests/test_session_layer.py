@@ -198,11 +198,12 @@ def test_run_refuses_bad_settings_by_their_own_name(args, env, msg):
     assert "Traceback" not in p.stderr and p.stdout == ""      # refused before any generation
 
 
-def test_run_pin_entries_for_missing_layers_name_the_file(tmp_path):
+@pytest.mark.parametrize("line,what", [("99 0 7", "layer 99"), ("3 500 7", "expert 500")])
+def test_run_pin_entries_for_missing_layers_or_experts_name_the_file(tmp_path, line, what):
     pins = tmp_path / "pins.txt"
-    pins.write_text("1 0 5\n99 0 7\n")
+    pins.write_text(f"4 0 5\n{line}\n")
     p = colibri("run", "-m", DATA / "tiny_dense", "--prompt-ids", "1,2", "--pin", pins, check=False)
-    assert p.returncode == 1 and f"--pin {pins}:2: layer 99 does not exist" in p.stderr, p.stderr
+    assert p.returncode == 1 and f"--pin {pins}:2: {what} does not exist" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("var", ["COLIBRI_MODEL", "COLI_MODEL"])
