@@ -217,6 +217,22 @@ def test_sampling_with_a_seed_is_reproducible():
         fixed.close()
 
 
+def test_top_k_and_penalties_reach_the_sampler(server, llm):
+    """top_k 1 at temperature 1.5 is greedy; the penalties give what LLM.complete gives with them
+    (OpenAI's client sends the non-OpenAI fields through extra_body)."""
+    c = client(server)
+    prompt = "def fibonacci(n):"
+    greedy = llm.generate(prompt, max_tokens=16, temperature=0)
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=1.5, extra_body={"top_k": 1})
+    assert r.choices[0].text == greedy
+    pen = dict(frequency_penalty=1.5, presence_penalty=0.5)
+    want = llm.generate(prompt, max_tokens=16, temperature=0, repeat_penalty=1.8, **pen)
+    assert want != greedy
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, **pen,
+                             extra_body={"repetition_penalty": 1.8})
+    assert r.choices[0].text == want
+
+
 def test_kv_reuse_is_reported_as_cached_tokens(server):
     c = client(server)
     first = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
