@@ -8,6 +8,38 @@ Shapes in comments: S = rows of a forward batch, D = hidden, H = heads, T = keys
 HF transformers' ``glm_moe_dsa`` is the definition of the model; where glm.c deviates from it we
 follow transformers and say so (see ``NOTE(HF)`` comments).
 """
+# Contents, bottom-up (each part builds on the ones above it), with the glm.c functions each mirrors:
+#
+#  1. Kernel externs: the SIMD dot / axpy / GEMM kernels of include/ (glm.c's dot_i8i8, dot_i4i8,
+#     qrow_i8 and the inner loops of matmul_q / matmul_i4), OpenMP thread control, the ISA selection.
+#  2. Quantized tensors and matmul: QT (glm.c's QT, qt_bytes), the float and integer row kernels,
+#     the tiles and the batch GEMM glue behind matmul_qt / matmul_many (glm.c's matmul, matmul_q,
+#     matmul_i4, matmul_i2, matmul_q_idot, matmul_i4_idot, the dispatcher matmul_qt; qrow_i8 is
+#     quant_row), the absorption helpers qt_addrow / qt_addrows (glm.c's qt_addrow,
+#     qt_matvec_rows); numpy front-ends for tests.
+#  3. Primitives: rmsnorm_row, layernorm_row, rope_interleave, silu, softmax_inplace (glm.c's
+#     rmsnorm, layernorm, rope_interleave, siluf, softmax).
+#  4. nogil attention / routing kernels: the cores of glm.c's attention (expanded and absorbed
+#     paths), its DSA selection (dsa_topk, dsa_pick), moe's router and expert union (route_row,
+#     batch_union), and attend_step: layer_forward's attention half with the routing, in one
+#     parallel region.
+#  5. Fused FFN group: the expert FFNs of glm.c's moe (routed experts + shared expert) and dense_mlp
+#     in one parallel region (ffn_group, FfnScratch).
+#  6. Engine state: Layer (glm.c's Layer), Expert (ESlot), Work (the forward's scratch), KVState
+#     (the KV snapshot colibri.kvstore saves), and layers_step / mlp_step: glm.c's layers_forward / layer_forward (attention, then
+#     moe or dense_mlp) for decode and verify batches without returning to Python.
+#  7. Model (glm.c's Model) and its per-call paths, named as in glm.c: expert_load, embed_row,
+#     kv_alloc, attention, dense_mlp, moe, pilot_prefetch (the PILOT router lookahead of
+#     layer_forward), layer_forward, layers_forward, step, step_all, forward_all, generate,
+#     mtp_draft, mtp_absorb, spec_decode (carry_ban, the hlast rewind).
+#  8. model_init and its loading helpers: glm.c's model_init (its qt_load / qt_from_disk / ld are
+#     Model._load_qt / _load_vec), expert_bytes_probe (_expert_disk_bytes), the container
+#     mapping, the huge-page buffers.
+#  9. Drafts: ngram_draft (glm.c's ngram_draft) and mtp_chain, the steps of glm.c's mtp_draft
+#     (mtp_argmax) without Python between them.
+# 10. Sampler: glm.c's rndu, dist_build, dist_sample, pick_tok (with the ban that spec_decode's
+#     carry_ban passes) and the verify's acceptance test (accepts).
+
 import os
 import time
 
@@ -22,7 +54,7 @@ from cython.parallel cimport prange, threadid, parallel
 
 import threading
 
-from .cache import ExpertCache
+from .cache import ExpertCache, IoClock, SlabPool
 from .config import Config, indexer_missing, load_config
 from .lookahead import PrefetchPolicy, parse_prefetch
 from .budget import EXTRA_CALL_EXPERTS
@@ -30,6 +62,10 @@ from .options import switch
 from . import st as _st
 from . import quant as _quant
 
+
+# ---------------------------------------------------------------------------------------------
+# 1. Kernel externs: the SIMD kernels of include/ (coli_*.h)
+# ---------------------------------------------------------------------------------------------
 
 cdef extern from "coli_kernels.h" nogil:
     int COLI_ISA_SCALAR, COLI_ISA_AVX2, COLI_ISA_AVX512VNNI
@@ -123,8 +159,41 @@ cdef extern from "coli_threads.h" nogil:
     int coli_has_openmp()
 
 
+# -- ISA and thread selection -----------------------------------------------------------------
+
+ISA_NAMES = {"scalar": 0, "avx2": 1, "avx512vnni": 2}
+
+
+def isa_best():
+    return coli_isa_name(coli_isa_best()).decode()
+
+
+def isa_active():
+    return coli_isa_name(coli_isa_active()).decode()
+
+
+def select_isa(name):
+    """Force a kernel variant ("scalar", "avx2", "avx512vnni"); clamped to what the CPU has."""
+    if name not in ISA_NAMES:
+        raise ValueError(f"unknown ISA {name!r}; choose one of {sorted(ISA_NAMES)}")
+    return coli_isa_name(coli_select_isa(ISA_NAMES[name])).decode()
+
+
+def has_openmp():
+    return bool(coli_has_openmp())
+
+
+def max_threads():
+    return coli_max_threads()
+
+
+def set_threads(int n):
+    coli_set_threads(n)
+
+
 # ---------------------------------------------------------------------------------------------
-# Quantized tensors
+# 2. Quantized tensors and matmul: QT, the row kernels, the integer tiles, the batch GEMM glue,
+#    matmul_qt / matmul_many
 # ---------------------------------------------------------------------------------------------
 
 cdef enum:
@@ -148,7 +217,7 @@ cdef struct QTc:
 
 
 def fmt_from_nbytes(Py_ssize_t nbytes, int O, int I):
-    """Container format from the payload size (spec §2.3), or -1 if it matches none."""
+    """Container format from the payload size (as glm.c's qt_from_disk infers it), or -1 if it matches none."""
     if nbytes == <Py_ssize_t>O * I:
         return FMT_I8
     if nbytes == <Py_ssize_t>O * ((I + 1) // 2):
@@ -265,7 +334,7 @@ cdef class QT:
 
     @property
     def nbytes(self):
-        """Bytes held in RAM (spec qt_bytes): payload + f32 scales (O, or O·G for groups)."""
+        """Bytes held in RAM (glm.c's qt_bytes): payload + f32 scales (O, or O·G for groups)."""
         if self.c.fmt == FMT_F32:
             return 4 * self.c.O * self.c.I
         return self.c.O * self.c.rb + 4 * self.c.O * self.c.G
@@ -941,9 +1010,778 @@ cdef void matmul_many(const QTc **Ws, float **ys, int nW, const float *x, int S,
         int_group(Ws[k], g - starts[k], S, xq, xs, nb, blk, idot, ys[k], xsum, xg, gstride)
 
 
+# -- kernel front-ends (tests, tools) ---------------------------------------------------------
+
+def split_len(int n):
+    """Bytes of one activation row of width n in the split form (coli_split.h) int4 matmuls read."""
+    return coli_split_len(n)
+
+
+def dot_i8i8(w, x):
+    cdef int8_t[::1] wv = np.ascontiguousarray(w, dtype=np.int8)
+    cdef int8_t[::1] xv = np.ascontiguousarray(x, dtype=np.int8)
+    if wv.shape[0] != xv.shape[0] or wv.shape[0] == 0:
+        raise ValueError("dot_i8i8: lengths differ or are zero")
+    return coli_dot_i8i8(&wv[0], &xv[0], wv.shape[0])
+
+
+def dot_i4i8(w_packed, x):
+    cdef uint8_t[::1] wv = np.ascontiguousarray(w_packed, dtype=np.uint8)
+    cdef int8_t[::1] xv = np.ascontiguousarray(x, dtype=np.int8)
+    if wv.shape[0] != (xv.shape[0] + 1) // 2 or xv.shape[0] == 0:
+        raise ValueError("dot_i4i8: packed length must be ceil(n/2)")
+    return coli_dot_i4i8(&wv[0], &xv[0], xv.shape[0])
+
+
+def axpy(y, float c, x, int n=-1):
+    """y + c·x through the dispatched element-wise kernels (tests): x float32, int8, or packed
+    int4 (uint8, n elements, stored u = v + 8)."""
+    cdef float[::1] yv = np.array(y, dtype=np.float32)
+    cdef int m = yv.shape[0]
+    cdef float[::1] xf
+    cdef int8_t[::1] x8
+    cdef uint8_t[::1] x4
+    x = np.ascontiguousarray(x)
+    if m == 0:
+        raise ValueError("axpy: empty row")
+    if x.dtype == np.float32 or x.dtype == np.int8:
+        if x.shape[0] != m:
+            raise ValueError("axpy: lengths differ")
+        if x.dtype == np.float32:
+            xf = x
+            coli_axpy_f32(&yv[0], c, &xf[0], m)
+        else:
+            x8 = x
+            coli_axpy_q8f32(&yv[0], c, &x8[0], m)
+    elif x.dtype == np.uint8:
+        if x.shape[0] != (m + 1) // 2:
+            raise ValueError("axpy: packed length must be ceil(n/2)")
+        x4 = x
+        coli_axpy_q4f32(&yv[0], c, &x4[0], m)
+    else:
+        raise ValueError(f"axpy: unsupported dtype {x.dtype}")
+    return np.asarray(yv)
+
+
+def axpy_rows(y, c, rows, idx=None, int n=-1):
+    """y + Σ_r c[r]·rows[idx[r] if idx else r] through the dispatched multi-row kernels (tests):
+    rows float32 [R, n] (any idx), int8 [R, n] or packed int4 uint8 [R, ceil(n/2)] (no idx)."""
+    cdef float[::1] yv = np.array(y, dtype=np.float32)
+    cdef float[::1] cv = np.ascontiguousarray(c, dtype=np.float32)
+    cdef int m = yv.shape[0], nrows = cv.shape[0]
+    rows = np.ascontiguousarray(rows)
+    if rows.ndim != 2 or m == 0 or nrows == 0:
+        raise ValueError("axpy_rows: y and c must be non-empty, rows 2-D")
+    cdef float[:, ::1] rf
+    cdef int8_t[:, ::1] r8
+    cdef uint8_t[:, ::1] r4
+    cdef int[::1] iv
+    if rows.dtype == np.float32:
+        if rows.shape[1] != m:
+            raise ValueError("axpy_rows: row length differs from y")
+        rf = rows
+        if idx is None:
+            if nrows > rows.shape[0]:
+                raise ValueError("axpy_rows: more coefficients than rows")
+            coli_axpy_rows_f32(&yv[0], m, &cv[0], &rf[0, 0], m, NULL, nrows)
+        else:
+            iv = np.ascontiguousarray(idx, dtype=np.int32)
+            if iv.shape[0] != nrows or min(iv) < 0 or max(iv) >= rows.shape[0]:
+                raise ValueError("axpy_rows: bad row indices")
+            coli_axpy_rows_f32(&yv[0], m, &cv[0], &rf[0, 0], m, &iv[0], nrows)
+    elif rows.dtype == np.int8 and idx is None:
+        if rows.shape[1] != m or nrows > rows.shape[0]:
+            raise ValueError("axpy_rows: int8 rows of the wrong shape")
+        r8 = rows
+        coli_axpy_rows_q8f32(&yv[0], m, &cv[0], &r8[0, 0], rows.shape[1], nrows)
+    elif rows.dtype == np.uint8 and idx is None:
+        if rows.shape[1] != (m + 1) // 2 or nrows > rows.shape[0]:
+            raise ValueError("axpy_rows: packed int4 rows of the wrong shape")
+        r4 = rows
+        coli_axpy_rows_q4f32(&yv[0], m, &cv[0], &r4[0, 0], rows.shape[1], nrows)
+    else:
+        raise ValueError(f"axpy_rows: unsupported rows {rows.dtype} (idx only with float32)")
+    return np.asarray(yv)
+
+
+def quantize_q8(x, int block=0):
+    """Per-block Q8 activation quantization -> (q int8 [n], scales f32 [nblocks])."""
+    cdef float[::1] xv = np.ascontiguousarray(x, dtype=np.float32)
+    cdef int n = xv.shape[0]
+    if n == 0:
+        raise ValueError("quantize_q8: empty row")
+    check_block(block, n)
+    nb = act_nblocks(n, block)
+    blk = n if nb == 1 else block
+    q = np.empty(n, np.int8)
+    s = np.empty(nb, np.float32)
+    cdef int8_t[::1] qv = q
+    cdef float[::1] sv = s
+    coli_quantize_q8(&xv[0], n, blk, &qv[0], &sv[0])
+    return q, s
+
+
+def check_idot(int idot):
+    if idot not in (IDOT_FLOAT, IDOT_Q8, IDOT_Q8X2):
+        raise ValueError(f"idot must be 0 (float), 1 (Q8 activations) or 2 (Q8 + residual), got {idot}")
+
+
+def check_block(int block, int n=0):
+    if block < 0 or (block > 0 and block % 64 != 0):
+        raise ValueError(f"activation block must be 0 (per row) or a multiple of 64, got {block}")
+
+
+def matmul(QT W, x, int block=0, int idot=IDOT_Q8X2):
+    """y[S, O] = x[S, I] · Wᵀ through the engine's dispatcher (tests, tools)."""
+    x = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
+    if x.shape[1] != W.c.I:
+        raise ValueError(f"matmul: x has {x.shape[1]} columns, W has {W.c.I} inputs")
+    check_block(block)
+    S = x.shape[0]
+    y = np.empty((S, W.c.O), np.float32)
+    check_idot(idot)
+    if idot == IDOT_FLOAT:
+        W._plain("matmul with idot=0")
+    xq = np.empty(2 * S * W.c.I, np.int8)
+    xs = np.empty(2 * S * act_nblocks(W.c.I, block), np.float32)
+    xr = np.empty(W.c.I, np.float32)
+    xm = np.empty(2 * S * act_nblocks(W.c.I, block), np.int32)
+    cdef float[:, ::1] xv = x
+    cdef float[:, ::1] yv = y
+    cdef int8_t[::1] qv = xq
+    cdef float[::1] sv = xs, rv = xr
+    cdef int32_t[::1] mv = xm
+    cdef uint8_t[::1] gv
+    cdef uint8_t *xg = NULL
+    if W.c.fmt == FMT_I4:           # room for the activations' split forms
+        gv = np.empty(2 * S * coli_split_len(W.c.I), np.uint8)
+        xg = &gv[0]
+    matmul_qt(&W.c, &xv[0, 0], S, &yv[0, 0], &qv[0], &sv[0], &rv[0], block, idot, &mv[0] if BLOCK_SUMS else NULL,
+              xg)
+    return y
+
+
 # ---------------------------------------------------------------------------------------------
-# Fused FFN group: every FFN of one MoE layer call (routed experts + shared expert), or a dense MLP,
-# in one parallel region
+# 3. Primitives
+# ---------------------------------------------------------------------------------------------
+
+cdef inline void rmsnorm_row(float *out, const float *x, const float *w, int n, float eps) noexcept nogil:
+    """out = x / sqrt(mean(x²) + eps) · w; the mean square is accumulated in double. Safe in place."""
+    cdef double ms = 0.0
+    cdef int i
+    for i in range(n):
+        ms += <double>x[i] * x[i]
+    cdef float r = 1.0 / sqrtf(<float>(ms / n) + eps)
+    for i in range(n):
+        out[i] = (x[i] * r) * w[i]
+
+
+cdef inline void layernorm_row(float *v, const float *w, const float *b, int n, float eps) noexcept nogil:
+    """In-place LayerNorm (population variance), mean/variance in double (indexer k_norm)."""
+    cdef double mean = 0.0, var = 0.0, d
+    cdef int i
+    for i in range(n):
+        mean += v[i]
+    mean /= n
+    for i in range(n):
+        d = v[i] - mean
+        var += d * d
+    var /= n
+    cdef float r = 1.0 / sqrtf(<float>var + eps)
+    for i in range(n):
+        v[i] = (<float>(v[i] - mean)) * r * w[i] + b[i]
+
+
+cdef inline void rope_interleave(float *v, int dr, int pos, const float *inv_freq) noexcept nogil:
+    """Interleaved RoPE: pairs (v[2j], v[2j+1]) rotate by pos·inv_freq[j]; the output is
+    de-interleaved ([rotated evens | rotated odds]), as HF's apply_rotary_pos_emb_interleave."""
+    cdef float tmp[256]
+    cdef int j, half = dr // 2
+    cdef float ang, c, s, a, b
+    for j in range(half):
+        ang = (<float>pos) * inv_freq[j]
+        c = cosf(ang)
+        s = sinf(ang)
+        a = v[2 * j]
+        b = v[2 * j + 1]
+        tmp[j] = a * c - b * s
+        tmp[half + j] = b * c + a * s
+    memcpy(v, tmp, dr * sizeof(float))
+
+
+cdef inline float silu(float x) noexcept nogil:
+    return x / (1.0 + expf(-x))
+
+
+cdef inline void softmax_inplace(float *sc, int n) noexcept nogil:
+    cdef float m = sc[0], sum = 0.0
+    cdef int j
+    for j in range(1, n):
+        if sc[j] > m:
+            m = sc[j]
+    for j in range(n):
+        sc[j] = expf(sc[j] - m)
+        sum += sc[j]
+    for j in range(n):
+        sc[j] = sc[j] / sum
+
+
+def rmsnorm(x, w, float eps):
+    """rmsnorm over the last axis (numpy front-end to the engine's kernel, for tests)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    out = np.empty_like(x)
+    cdef int ncol = x.shape[x.ndim - 1]
+    cdef float[:, ::1] xv = x.reshape(-1, ncol)
+    cdef float[:, ::1] ov = out.reshape(-1, ncol)
+    cdef float[::1] wv = w
+    cdef int r
+    if wv.shape[0] != xv.shape[1]:
+        raise ValueError("rmsnorm: weight length differs from the row length")
+    for r in range(xv.shape[0]):
+        rmsnorm_row(&ov[r, 0], &xv[r, 0], &wv[0], xv.shape[1], eps)
+    return out
+
+
+def rope(v, int pos, float theta):
+    """Interleaved RoPE of one vector (numpy front-end, for tests)."""
+    v = np.array(v, dtype=np.float32)
+    dr = v.shape[0]
+    inv = rope_inv_freq(dr, theta)
+    cdef float[::1] vv = v
+    cdef float[::1] iv = inv
+    rope_interleave(&vv[0], dr, pos, &iv[0])
+    return v
+
+
+def rope_inv_freq(int dr, float theta):
+    """inv_freq[j] = 1 / theta^(2j/dr), computed in float32 like HF's default RoPE."""
+    exps = np.arange(0, dr, 2, dtype=np.float32) / np.float32(dr)
+    return (np.float32(1.0) / (np.float32(theta) ** exps)).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. nogil attention / routing kernels
+# ---------------------------------------------------------------------------------------------
+
+cdef void attend_expanded(const float *q, const float *kvb, const float *Rc, const int *sel, int nsel,
+                          int k0, int pos, int h, int H, int dn, int dr, int dv, float scale,
+                          float *tbuf, float *ctx) noexcept nogil:
+    """One (row, head) of expanded attention: keys/values from kvb [T, H·(dn+dv)] (kv_b applied to
+    every cached latent) plus the shared rotated key Rc [T, dr]. Keys: the DSA selection sel[:nsel]
+    when nsel > 0, else the causal window k0..pos."""
+    cdef int dq = dn + dr, W = H * (dn + dv), j, i, nk = nsel if nsel > 0 else pos + 1 - k0
+    cdef const float *qh = q + <Py_ssize_t>h * dq
+    cdef float *sc = tbuf
+    cdef float *o = ctx + <Py_ssize_t>h * dv
+    cdef float *sr = sc + nk                          # the rope part of the scores
+    cdef const int *keys = sel if nsel > 0 else NULL  # rows of kvb / Rc: sel[j], or k0 + j
+    cdef const float *kh = kvb + h * (dn + dv) + (0 if nsel > 0 else <Py_ssize_t>k0 * W)   # head h's keys
+    coli_dots_f32(qh, dn, kh, W, keys, nk, sc)
+    coli_dots_f32(qh + dn, dr, Rc + (0 if nsel > 0 else <Py_ssize_t>k0 * dr), dr, keys, nk, sr)
+    for j in range(nk):
+        sc[j] = (sc[j] + sr[j]) * scale
+    softmax_inplace(sc, nk)
+    for i in range(dv):
+        o[i] = 0.0
+    coli_axpy_rows_f32(o, dv, sc, kh + dn, W, keys, nk)    # o = Σ_j p_j v_j
+
+
+cdef enum:
+    ATTN_BLOCK = 4          # prompt attention's work item: query rows of one head (expanded), or
+                            # heads of one row (absorbed), that share their keys
+
+
+cdef void attend_expanded_rows(const float *q, const float *kvb, const float *Rc, const int *sel,
+                               const int *nsel, int topk, int s0, int s1, int k0, int pos_base, int h,
+                               int H, int dn, int dr, int dv, float scale, float *tbuf,
+                               float *ctx) noexcept nogil:
+    """Head h of expanded attention for rows s0..s1-1 (q [S, H·(dn+dr)], ctx [S, H·dv], at positions
+    pos_base + s), each bit-identical to attend_expanded. Causal rows (no DSA selection) go
+    together: their common keys k0..pos_base+s0 through the multi-query kernels (one read of each
+    key row for the block), row s's later keys through the one-row ones; every score and every
+    output element sees the same operations in the same order as a row alone."""
+    cdef int dq = dn + dr, W = H * (dn + dv), nb = s1 - s0, r, j, i, nk
+    cdef int nk0 = pos_base + s0 + 1 - k0                     # keys every row of the block sees
+    cdef Py_ssize_t ts = 2 * (nk0 + nb - 1)                   # tbuf floats per row: scores, rope part
+    cdef const float *qh = q + <Py_ssize_t>s0 * H * dq + <Py_ssize_t>h * dq    # [nb, H·dq] row stride
+    cdef const float *kh = kvb + h * (dn + dv) + <Py_ssize_t>k0 * W            # head h's key k0
+    cdef const float *rh = Rc + <Py_ssize_t>k0 * dr
+    cdef float *o = ctx + <Py_ssize_t>s0 * H * dv + <Py_ssize_t>h * dv         # [nb, H·dv] row stride
+    cdef float *sc
+    cdef bint selected = False
+    if nsel != NULL:
+        for r in range(nb):
+            selected = selected or nsel[s0 + r] > 0
+    if selected:                              # a DSA selection: every row on its own
+        for r in range(nb):
+            attend_expanded(q + <Py_ssize_t>(s0 + r) * H * dq, kvb, Rc, sel + <Py_ssize_t>(s0 + r) * topk,
+                            nsel[s0 + r], k0, pos_base + s0 + r, h, H, dn, dr, dv, scale, tbuf,
+                            ctx + <Py_ssize_t>(s0 + r) * H * dv)
+        return
+    # scores of row r: tbuf[r·ts + j] (q_nope·k_nope), tbuf[r·ts + ts/2 + j] (q_rope·k_rope)
+    coli_dots_f32_multi(qh, H * dq, nb, dn, kh, W, NULL, nk0, tbuf, ts)
+    coli_dots_f32_multi(qh + dn, H * dq, nb, dr, rh, dr, NULL, nk0, tbuf + ts // 2, ts)
+    for r in range(1, nb):
+        coli_dots_f32(qh + <Py_ssize_t>r * H * dq, dn, kh + <Py_ssize_t>nk0 * W, W, NULL, r,
+                      tbuf + r * ts + nk0)
+        coli_dots_f32(qh + <Py_ssize_t>r * H * dq + dn, dr, rh + <Py_ssize_t>nk0 * dr, dr, NULL, r,
+                      tbuf + r * ts + ts // 2 + nk0)
+    for r in range(nb):
+        sc = tbuf + r * ts
+        nk = nk0 + r
+        for j in range(nk):
+            sc[j] = (sc[j] + sc[ts // 2 + j]) * scale
+        softmax_inplace(sc, nk)
+        for i in range(dv):
+            o[<Py_ssize_t>r * H * dv + i] = 0.0
+    # o_r = Σ_j p_rj v_j: the common keys for the block, then row r's own later keys
+    coli_axpy_rows_f32_multi(o, H * dv, nb, dv, tbuf, ts, kh + dn, W, NULL, nk0)
+    for r in range(1, nb):
+        coli_axpy_rows_f32(o + <Py_ssize_t>r * H * dv, dv, tbuf + r * ts + nk0, kh + dn + <Py_ssize_t>nk0 * W,
+                           W, NULL, r)
+
+
+cdef void attend_absorbed_heads(const QTc *kv_b, const float *q, const float *Lc, const float *Rc,
+                                const int *sel, int nsel, int k0, int pos, int h0, int h1, int H, int dn,
+                                int dr, int dv, int Lkv, float scale, float *tbuf, float *ctx) noexcept nogil:
+    """Heads h0..h1-1 of one row of absorbed attention, entirely in the kv_lora latent space:
+    qabs = W_k,hᵀ q_nope; score_t = qabs·Lc_t + q_rope·Rc_t; ctx = W_v,h (Σ_t p_t Lc_t). Keys: the
+    DSA selection sel[:nsel] when nsel > 0, else the causal window k0..pos. The heads share the
+    row's keys, so their scores and latent sums go through the multi-query kernels, which read each
+    key once for all of them and give each head what it computes alone (decode: one head an item).
+    tbuf: per head qabs [Lkv], clat [Lkv] and scores [max(2·nk, dn)]."""
+    cdef int dq = dn + dr, nh = h1 - h0, j, t, i, nk = nsel if nsel > 0 else pos + 1 - k0
+    cdef Py_ssize_t ss = 2 * nk if 2 * nk > dn else dn                  # a head's score floats
+    cdef Py_ssize_t hs = 2 * Lkv + ss                                  # a head's tbuf floats
+    cdef const int *keys = sel if nsel > 0 else NULL   # rows of Lc / Rc: sel[t], or k0 + t
+    cdef Py_ssize_t first = 0 if nsel > 0 else k0
+    cdef float *qabs
+    cdef float *sc
+    for j in range(nh):                                # qabs_j = W_k,hᵀ q_nope,h
+        qabs = tbuf + j * hs
+        for i in range(2 * Lkv):
+            qabs[i] = 0.0                              # qabs and clat
+        qt_addrows(kv_b, (h0 + j) * (dn + dv), dn, q + <Py_ssize_t>(h0 + j) * dq, qabs + 2 * Lkv, qabs)
+    # scores of head j: tbuf[j·hs + 2·Lkv + t] (qabs·Lc_t), then + nk (q_rope·Rc_t)
+    coli_dots_f32_multi(tbuf, hs, nh, Lkv, Lc + first * Lkv, Lkv, keys, nk, tbuf + 2 * Lkv, hs)
+    coli_dots_f32_multi(q + <Py_ssize_t>h0 * dq + dn, dq, nh, dr, Rc + first * dr, dr, keys, nk,
+                        tbuf + 2 * Lkv + nk, hs)
+    for j in range(nh):
+        sc = tbuf + j * hs + 2 * Lkv
+        for t in range(nk):
+            sc[t] = (sc[t] + sc[nk + t]) * scale
+        softmax_inplace(sc, nk)
+    # clat_j = Σ_t p_jt Lc_t, then ctx_h = W_v,h clat_j
+    coli_axpy_rows_f32_multi(tbuf + Lkv, hs, nh, Lkv, tbuf + 2 * Lkv, hs, Lc + first * Lkv, Lkv, keys, nk)
+    for j in range(nh):
+        qt_rowdots_f(kv_b, (h0 + j) * (dn + dv) + dn, dv, tbuf + j * hs + Lkv, ctx + (h0 + j) * dv)
+
+
+# -- the DSA indexer's selection --------------------------------------------------------------
+
+cdef struct ScoreIdx:
+    float v
+    int t
+
+
+cdef int cmp_int_asc(const void *a, const void *b) noexcept nogil:
+    cdef int x = (<const int *>a)[0]
+    cdef int y = (<const int *>b)[0]
+    return (x > y) - (x < y)
+
+
+cdef int dsa_topk(const float *qi, const float *w, const float *Ic, int nk, int nh, int hd, int topk,
+                  float qscale, float wscale, bint force, float *buf, int *sel) noexcept nogil:
+    """Select the top-k keys of one query; returns the count (0 = context fits: attend densely).
+    buf holds nk ScoreIdx pairs (2 floats each). The selection is returned in ascending position."""
+    if nk <= topk and not force:
+        return 0
+    dsa_scores(qi, w, Ic, 0, nk, nh, hd, qscale, wscale, <ScoreIdx *>buf)
+    return dsa_pick(<ScoreIdx *>buf, nk, topk, sel)
+
+
+cdef inline void dsa_scores(const float *qi, const float *w, const float *Ic, int t0, int t1, int nh, int hd,
+                            float qscale, float wscale, ScoreIdx *pairs) noexcept nogil:
+    """pairs[t] = (Σ_h w_h·wscale·relu(q_h·k_t·qscale), t) for the keys t0 <= t < t1."""
+    cdef int t, h
+    cdef float acc, d
+    for t in range(t0, t1):
+        acc = 0.0
+        for h in range(nh):
+            d = coli_dot_f32(qi + h * hd, Ic + <Py_ssize_t>t * hd, hd) * qscale
+            if d > 0:
+                acc = acc + (w[h] * wscale) * d
+        pairs[t].v = acc
+        pairs[t].t = t
+
+
+cdef inline bint ranks_before(const ScoreIdx *a, const ScoreIdx *b) noexcept nogil:
+    """a before b in the selection order: higher score, ties by lower position (glm.c's DSA tie order)."""
+    return a.v > b.v or (not (a.v < b.v) and a.t < b.t)
+
+
+cdef inline void swap_pairs(ScoreIdx *p, int i, int j) noexcept nogil:
+    cdef ScoreIdx tmp = p[i]
+    p[i] = p[j]
+    p[j] = tmp
+
+
+cdef void select_first(ScoreIdx *p, int n, int k) noexcept nogil:
+    """Reorder p[0..n) so that p[0..k) holds the k first pairs of the selection order (in no
+    particular order): quickselect, median-of-three pivots, Lomuto partitions (in bounds whatever
+    the comparisons say, e.g. on NaN scores). Expected O(n), where sorting is O(n log n)."""
+    cdef int lo = 0, hi = n - 1, mid, i, store
+    while lo < hi:
+        mid = lo + (hi - lo) // 2
+        if ranks_before(&p[mid], &p[lo]):
+            swap_pairs(p, mid, lo)
+        if ranks_before(&p[hi], &p[lo]):
+            swap_pairs(p, hi, lo)
+        if ranks_before(&p[mid], &p[hi]):
+            swap_pairs(p, mid, hi)          # p[hi]: the median of the three, the pivot
+        store = lo
+        for i in range(lo, hi):
+            if ranks_before(&p[i], &p[hi]):
+                swap_pairs(p, i, store)
+                store += 1
+        swap_pairs(p, store, hi)            # the pivot at its place in the order
+        if store == k:
+            return
+        if store < k:
+            lo = store + 1
+        else:
+            hi = store - 1
+
+
+cdef inline int dsa_pick(ScoreIdx *pairs, int nk, int topk, int *sel) noexcept nogil:
+    """The min(nk, topk) keys of highest score (ties: lower position first), in ascending position."""
+    cdef int t, keep = nk if nk < topk else topk
+    if keep < nk:
+        select_first(pairs, nk, keep)
+    for t in range(keep):
+        sel[t] = pairs[t].t
+    qsort(sel, keep, sizeof(int), cmp_int_asc)
+    return keep
+
+
+def dsa_pick_ids(scores, int topk):
+    """The DSA selection of one query from its key scores [nk] (dsa_pick): the min(nk, topk) keys
+    of highest score, ties by lower position, in ascending position."""
+    cdef float[::1] sv = np.ascontiguousarray(scores, dtype=np.float32)
+    cdef int nk = sv.shape[0], t, keep
+    if nk < 1 or topk < 1:
+        raise ValueError("dsa_pick_ids: at least one key and topk >= 1")
+    cdef ScoreIdx *pairs = <ScoreIdx *>malloc(nk * sizeof(ScoreIdx))
+    sel = np.zeros(min(nk, topk), np.int32)
+    cdef int[::1] out = sel
+    if pairs == NULL:
+        raise MemoryError()
+    for t in range(nk):
+        pairs[t].v = sv[t]
+        pairs[t].t = t
+    keep = dsa_pick(pairs, nk, topk, &out[0])
+    free(pairs)
+    return sel[:keep]
+
+
+# -- the router -------------------------------------------------------------------------------
+
+cdef int route_row(const float *logit, const float *bias, int E, int K, bint norm, float rs,
+                   int *sel, float *w) noexcept nogil:
+    """Sigmoid router with correction bias (noaux_tc, n_group = 1): select K experts by biased
+    score (ties -> lowest index), weight by the unbiased sigmoid, normalize, scale.
+    Returns -1 on NaN scores."""
+    cdef int k, e, best
+    cdef float bv, sig, tot = 0.0
+    for e in range(E):
+        if isnan(logit[e]):
+            return -1
+    for k in range(K):
+        best = -1
+        bv = -1e30
+        for e in range(E):
+            if 1.0 / (1.0 + expf(-logit[e])) + bias[e] > bv and not _chosen(sel, k, e):
+                bv = 1.0 / (1.0 + expf(-logit[e])) + bias[e]
+                best = e
+        if best < 0:
+            return -1
+        sel[k] = best
+        w[k] = 1.0 / (1.0 + expf(-logit[best]))
+        tot += w[k]
+    for k in range(K):
+        if norm:
+            w[k] = w[k] / (tot + 1e-20)
+        w[k] = w[k] * rs
+    return 0
+
+
+cdef int batch_union(const int *sel, const float *w, int S, int K, int E, int *ucount, int *uniq,
+                     int *ustart, int *urow, float *uw) noexcept nogil:
+    """Group the (row, weight) pairs of a routed batch by expert, experts in ascending id (as HF's
+    index_add loop does). Each row then accumulates its experts in ascending id whatever the other
+    rows of the batch are, so a batched verify computes bit for bit what single-row decode does.
+    Returns the number of unique experts nu; expert uniq[u] serves rows urow[ustart[u]:ustart[u+1]]
+    (ascending) with weights uw[...]. ucount [E] is scratch."""
+    cdef int s, e, u, nu = 0, at = 0, n = S * K
+    for e in range(E):
+        ucount[e] = 0
+    for s in range(n):
+        ucount[sel[s]] += 1
+    for e in range(E):                  # counts -> start offsets; ucount becomes e -> slot u
+        if ucount[e] > 0:
+            uniq[nu] = e
+            ustart[nu] = at
+            at += ucount[e]
+            ucount[e] = nu
+            nu += 1
+    ustart[nu] = at
+    for s in range(n):                  # fill, using ustart as cursors
+        u = ucount[sel[s]]
+        urow[ustart[u]] = s // K
+        uw[ustart[u]] = w[s]
+        ustart[u] += 1
+    for u in range(nu - 1, 0, -1):      # cursors -> starts again
+        ustart[u] = ustart[u - 1]
+    ustart[0] = 0
+    return nu
+
+
+cdef inline bint _chosen(const int *sel, int k, int e) noexcept nogil:
+    cdef int j
+    for j in range(k):
+        if sel[j] == e:
+            return True
+    return False
+
+
+# -- a layer's attention half (and routing) in one parallel region ----------------------------
+
+cdef enum:
+    DSA_KEY_BLOCK = 256     # keys per work item of the indexer's scores in attend_step
+
+
+cdef struct LayerStep:
+    # One layer's attention half for S rows in one parallel region (attend_step): every pointer
+    # is checked by Model._attend_step before the region starts.
+    int S, D, H, dn, dr, dv, Lq, Lkv, pos_base, k0, idot, block, nt
+    float eps, leps, scale              # the layer norms' eps, q_a / kv_a norms' (LORA_NORM_EPS)
+    float *x                            # [S, D] residual (in/out)
+    float *n                            # [S, D] post-attention norm of x (out): the MLP input
+    float *a                            # [S, D] o_proj output
+    const float *in_ln                  # [D]
+    const float *post_ln                # [D]
+    const float *qa_ln                  # [Lq]
+    const float *kv_ln                  # [Lkv]
+    const float *inv                    # [dr / 2] rope inverse frequencies
+    const QTc *ins[MANY_MAX]            # q_a, kv_a (, the indexer's wk): one input, one pass
+    float *ins_y[MANY_MAX]              # their outputs qr [S, Lq], ckv [S, Lkv + dr] (, ik [S, ihd])
+    int n_ins
+    const QTc *q_b
+    const QTc *kv_b
+    const QTc *o_proj
+    float *qr                           # [S, Lq]
+    float *ckv                          # [S, Lkv + dr]
+    float *q                            # [S, H·(dn + dr)]
+    float *ctx                          # [S, H·dv]
+    float *Lc                           # [max_t, Lkv] this layer's latent cache
+    float *Rc                           # [max_t, dr] its rotated shared keys
+    float *Ic                           # [max_t, ihd] its indexer keys (NULL: the layer writes none)
+    float *ik                           # [S, ihd] the indexer's keys of these rows
+    const float *ik_w                   # [ihd] indexer k_norm weight, bias
+    const float *ik_b
+    int ihd
+    float ieps
+    float *tbuf                         # [nt, tstride] per-thread attention scratch
+    Py_ssize_t tstride
+    int8_t *xq                          # [2·S·I] activation scratch (see matmul_qt; Work.xq)
+    float *xs                           # [2·S·nblocks] (Work.xs)
+    float *xr                           # [I] (Work.xr)
+    int32_t *xm                         # [2·S·nblocks] (Work.xm; NULL: no block sums)
+    uint8_t *xg                         # split activations (group-scaled int4; NULL: none)
+    # routing (MoE layers; router NULL: a dense layer)
+    const QTc *router                   # [E, D]
+    const float *rbias                  # [E]
+    int E, K
+    bint norm_topk
+    float rs
+    float *rl                           # [S, E] router logits
+    int *rsel                           # [S, K]
+    float *rw                           # [S, K]
+    int *upos                           # [E] batch_union's scratch and results (see batch_union)
+    int *uniq                           # [S·K]
+    int *ustart                         # [S·K + 1]
+    int *urow                           # [S·K]
+    float *uw                           # [S·K]
+    int nu                              # out: unique experts of the batch
+    int bad                             # out: first row with NaN router scores, or -1
+    # the DSA indexer (Ic NULL: the layer writes no keys; nsel NULL: it attends densely)
+    int *nsel                           # [S] the selection counts of the rows (0: every key)
+    int *sel                            # [S, topk] their selections (a shared layer reuses them)
+    int topk, inh                       # index_topk, indexer heads
+    bint force                          # select even when the context fits index_topk (--dsa-force)
+    const QTc *iwq                      # [inh·ihd, Lq] wq_b, with q_b on the quantized q_a output
+    const QTc *iwp                      # [inh, D] weights_proj (in the input group when wp_grouped)
+    bint wp_grouped
+    float *iq                           # [S, inh·ihd] indexer queries
+    float *iw                           # [S, inh] indexer head weights
+    float *isc                          # [2·ws.T] the key scores of one row (ScoreIdx pairs; _work gives
+                                        # every forward a scratch with ws.T >= its keys)
+    float qscale, wscale                # 1/√ihd, 1/√inh
+    double macs_row                     # multiply-adds of the attention half per row (thread count)
+    const QTc *gate                     # the dense MLP, or the shared expert (gate NULL: none)
+    const QTc *up
+    const QTc *down
+
+
+cdef inline void quant_split(const float *x, int S, int I, int block, int idot, int8_t *xq, float *xs,
+                             float *xr, int32_t *xm, uint8_t *xg, bint split) noexcept nogil:
+    """quant_rows of x [S, I] as matmul_qt makes them (and the split forms when split)."""
+    cdef int nb = act_nblocks(I, block)
+    quant_rows(x, S, I, I if nb == 1 else block, nb, idot, xq, xs, xr, xm)
+    if split:
+        split_rows(xq, (2 if idot == IDOT_Q8X2 else 1) * S, I, xg, coli_split_len(I))
+
+
+cdef inline void group_of(const QTc *W, int g, LayerStep *P, float *y) noexcept nogil:
+    """Work item g of the matmul y = x · Wᵀ whose activations quant_split left in P's scratch."""
+    cdef int nb = act_nblocks(W.I, P.block)
+    int_group(W, g, P.S, P.xq, P.xs, nb, W.I if nb == 1 else P.block, P.idot, y, P.xm, P.xg,
+              coli_split_len(W.I))
+
+
+cdef inline bint wants_split_of(const QTc *W, LayerStep *P) noexcept nogil:
+    return P.xg != NULL and wants_split(W, act_nblocks(W.I, P.block))
+
+
+cdef void attend_step(LayerStep *P) noexcept nogil:
+    """x += o_proj(attention(input_layernorm(x))); n = post_attention_layernorm(x); and for an MoE
+    layer its routing (router logits, top-K, batch union) — the absorbed path of Model.attention
+    (with the DSA indexer's selection when it runs), moe's routing and layer_forward's residual
+    for S rows in ONE parallel region, phases separated by the barriers that end each prange.
+    Every value is computed by one thread with the kernels and the order of the per-call path
+    (matmul_many, kv_write, matmul_qt, _dsa_select, the head loop, route_row, batch_union), so
+    the results are bit-identical to it; the indexer's key scores of a row are shared out among
+    the threads. Decode and verify batches take it (Model._step_ok decides)."""
+    cdef int S = P.S, D = P.D, H = P.H, dq = P.dn + P.dr, T = P.pos_base + P.S, t, g, k, s, h, item
+    cdef int pos, nk, r, total = 0, nq
+    cdef int starts[MANY_MAX + 1]
+    cdef bint split = False, select = P.Ic != NULL and (T > P.topk or P.force)
+    cdef ScoreIdx *pairs = <ScoreIdx *>P.isc
+    for k in range(P.n_ins):
+        starts[k] = total
+        total += n_groups(P.ins[k].O)
+        split = split or wants_split_of(P.ins[k], P)
+    starts[P.n_ins] = total
+    nq = n_groups(P.q_b.O)
+    P.nu, P.bad = 0, -1
+    with parallel(num_threads=P.nt):
+        t = threadid()
+        # 1. the layer input's norm and its Q8 form (one for q_a, kv_a, wk and wp)
+        for item in prange(1, schedule='static'):
+            for s in range(S):
+                rmsnorm_row(P.n + <Py_ssize_t>s * D, P.x + <Py_ssize_t>s * D, P.in_ln, D, P.eps)
+                if P.Ic != NULL and not select:
+                    P.nsel[s] = 0           # the context fits index_topk: every key (as _dsa_select)
+            quant_split(P.n, S, D, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg, split)
+        # 2. q_a, kv_a (, wk, wp): the groups of all of them in one pass
+        for g in prange(total, schedule='guided', chunksize=GUIDED_MIN):
+            k = 0
+            while starts[k + 1] <= g:
+                k = k + 1
+            group_of(P.ins[k], g - starts[k], P, P.ins_y[k])
+        # 3. the KV rows of these positions; q_a's norm, quantized for q_b (and wq); the indexer
+        # keys; the indexer's head weights when wp is a float matrix. Items in the order 1, 3, 0, 2:
+        # two threads get q_a's norm and quantization (the longest) and the KV rows with the keys
+        for item in prange(4, schedule='static'):
+            k = (2 * item + 1) % 5
+            if k == 0:
+                for s in range(S):
+                    pos = P.pos_base + s
+                    rmsnorm_row(P.Lc + <Py_ssize_t>pos * P.Lkv, P.ckv + <Py_ssize_t>s * (P.Lkv + P.dr),
+                                P.kv_ln, P.Lkv, P.leps)
+                    memcpy(P.Rc + <Py_ssize_t>pos * P.dr, P.ckv + <Py_ssize_t>s * (P.Lkv + P.dr) + P.Lkv,
+                           P.dr * sizeof(float))
+                    rope_interleave(P.Rc + <Py_ssize_t>pos * P.dr, P.dr, pos, P.inv)
+            elif k == 1:
+                for s in range(S):
+                    rmsnorm_row(P.qr + <Py_ssize_t>s * P.Lq, P.qr + <Py_ssize_t>s * P.Lq, P.qa_ln, P.Lq, P.leps)
+                quant_split(P.qr, S, P.Lq, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
+                            wants_split_of(P.q_b, P) or (select and wants_split_of(P.iwq, P)))
+            elif k == 2 and P.Ic != NULL:
+                for s in range(S):
+                    pos = P.pos_base + s
+                    layernorm_row(P.ik + <Py_ssize_t>s * P.ihd, P.ik_w, P.ik_b, P.ihd, P.ieps)
+                    rope_interleave(P.ik + <Py_ssize_t>s * P.ihd, P.dr, pos, P.inv)
+                    memcpy(P.Ic + <Py_ssize_t>pos * P.ihd, P.ik + <Py_ssize_t>s * P.ihd, P.ihd * sizeof(float))
+            elif k == 3 and select and not P.wp_grouped:
+                for s in range(S):
+                    for h in range(P.inh):
+                        P.iw[s * P.inh + h] = qt_rowdot_f(P.iwp, h, P.n + <Py_ssize_t>s * D)
+        # 4. q_b (and the indexer's wq): groups over the quantized q_a output
+        for g in prange(nq + (n_groups(P.iwq.O) if select else 0), schedule='guided', chunksize=GUIDED_MIN):
+            if g < nq:
+                group_of(P.q_b, g, P, P.q)
+            else:
+                group_of(P.iwq, g - nq, P, P.iq)
+        # 5. the DSA selection of each row: rotated indexer queries, key scores shared out, top-k
+        if select:
+            for item in prange(S * P.inh, schedule='static'):
+                rope_interleave(P.iq + <Py_ssize_t>item * P.ihd, P.dr, P.pos_base + item // P.inh, P.inv)
+            for r in range(S):
+                nk = P.pos_base + r + 1
+                for g in prange((nk + DSA_KEY_BLOCK - 1) // DSA_KEY_BLOCK, schedule='static'):
+                    dsa_scores(P.iq + <Py_ssize_t>r * P.inh * P.ihd, P.iw + r * P.inh, P.Ic, g * DSA_KEY_BLOCK,
+                               nk if nk < (g + 1) * DSA_KEY_BLOCK else (g + 1) * DSA_KEY_BLOCK,
+                               P.inh, P.ihd, P.qscale, P.wscale, pairs)
+                for item in prange(1, schedule='static'):
+                    P.nsel[r] = dsa_pick(pairs, nk, P.topk, P.sel + <Py_ssize_t>r * P.topk)
+        # 6. per (row, head): rotate the query's rope part, attend in the latent space (over the
+        # DSA selection of the row when the layer has one with keys in it)
+        for item in prange(S * H, schedule='static'):
+            s = item // H
+            h = item % H
+            rope_interleave(P.q + <Py_ssize_t>s * H * dq + h * dq + P.dn, P.dr, P.pos_base + s, P.inv)
+            attend_absorbed_heads(P.kv_b, P.q + <Py_ssize_t>s * H * dq, P.Lc, P.Rc,
+                                  P.sel + <Py_ssize_t>s * P.topk if P.nsel != NULL else NULL,
+                                  P.nsel[s] if P.nsel != NULL else 0, P.k0,
+                                  P.pos_base + s, h, h + 1, H, P.dn, P.dr, P.dv, P.Lkv, P.scale,
+                                  P.tbuf + t * P.tstride, P.ctx + <Py_ssize_t>s * H * P.dv)
+        # 7. o_proj
+        for item in prange(1, schedule='static'):
+            quant_split(P.ctx, S, H * P.dv, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
+                        wants_split_of(P.o_proj, P))
+        for g in prange(n_groups(P.o_proj.O), schedule='guided', chunksize=GUIDED_MIN):
+            group_of(P.o_proj, g, P, P.a)
+        # 8. the residual and the MLP's input norm
+        for s in prange(S, schedule='static'):
+            for item in range(D):
+                P.x[<Py_ssize_t>s * D + item] += P.a[<Py_ssize_t>s * D + item]
+            rmsnorm_row(P.n + <Py_ssize_t>s * D, P.x + <Py_ssize_t>s * D, P.post_ln, D, P.eps)
+        # 9. routing (MoE layers): the router's logits, then top-K and the batch union
+        if P.router != NULL:
+            if P.router.fmt == FMT_F32 or P.idot == IDOT_FLOAT:
+                for item in prange(S * P.E, schedule='static'):
+                    P.rl[item] = qt_rowdot_f(P.router, item % P.E, P.n + <Py_ssize_t>(item // P.E) * D)
+            else:
+                for item in prange(1, schedule='static'):
+                    quant_split(P.n, S, D, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
+                                wants_split_of(P.router, P))
+                for g in prange(n_groups(P.E), schedule='static'):
+                    group_of(P.router, g, P, P.rl)
+            for item in prange(1, schedule='static'):
+                P.bad = -1
+                for s in range(S):
+                    if P.bad < 0 and route_row(P.rl + <Py_ssize_t>s * P.E, P.rbias, P.E, P.K, P.norm_topk,
+                                               P.rs, P.rsel + <Py_ssize_t>s * P.K, P.rw + <Py_ssize_t>s * P.K) != 0:
+                        P.bad = s
+                if P.bad < 0:
+                    P.nu = batch_union(P.rsel, P.rw, S, P.K, P.E, P.upos, P.uniq, P.ustart, P.urow, P.uw)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Fused FFN group: every FFN of one MoE layer call (routed experts + shared expert), or a dense MLP,
+#    in one parallel region
 # ---------------------------------------------------------------------------------------------
 
 # Rows up to which an MoE / dense MLP call runs fused (decode, and verify batches of up to 16 drafts).
@@ -1149,7 +1987,15 @@ cdef class FfnScratch:
     """Buffers of a fused FFN group: up to max_jobs FFNs over max_pairs (FFN, row) pairs."""
     cdef FfnJob *jobs
     cdef public int max_jobs, max_pairs, D, I
-    cdef public object xq, xs, g, u, hq, hs, yd, xr, urow, uw, xm, hm, xg, hg
+    # P = max_pairs; per pair two quantized rows (q1, q2) of its input (width D) and hidden (width I)
+    cdef public object xq, xs                   # int8, f32 [2·P·D] quantized inputs, their scales
+    cdef public object g, u                     # f32 [P·I] gate / up outputs
+    cdef public object hq, hs                   # int8, f32 [2·P·I] quantized hidden rows, their scales
+    cdef public object yd                       # f32 [P·D] down outputs
+    cdef public object xr                       # f32 [nt, max(D, I)] per-thread residual rows
+    cdef public object urow, uw                 # int32, f32 [P] each pair's row and weight
+    cdef public object xm, hm                   # int32 [2·P·D], [2·P·I] block sums of xq / hq
+    cdef public object xg, hg                   # uint8 [2·P·xgs], [2·P·hgs] split forms (split_room)
     # raw pointers into the arrays above (kept alive by this object): no buffer acquisition per call
     cdef int8_t *p_xq
     cdef int8_t *p_hq
@@ -1219,103 +2065,6 @@ cdef class FfnScratch:
         free(self.jobs)
 
 
-cdef inline bint int_qt(QT W, int idot):
-    return W is not None and idot != IDOT_FLOAT and (W.c.fmt == FMT_I8 or W.c.fmt == FMT_I4)
-
-
-# ---------------------------------------------------------------------------------------------
-# Primitives
-# ---------------------------------------------------------------------------------------------
-
-cdef inline void rmsnorm_row(float *out, const float *x, const float *w, int n, float eps) noexcept nogil:
-    """out = x / sqrt(mean(x²) + eps) · w; the mean square is accumulated in double. Safe in place."""
-    cdef double ms = 0.0
-    cdef int i
-    for i in range(n):
-        ms += <double>x[i] * x[i]
-    cdef float r = 1.0 / sqrtf(<float>(ms / n) + eps)
-    for i in range(n):
-        out[i] = (x[i] * r) * w[i]
-
-
-cdef inline void layernorm_row(float *v, const float *w, const float *b, int n, float eps) noexcept nogil:
-    """In-place LayerNorm (population variance), mean/variance in double (indexer k_norm)."""
-    cdef double mean = 0.0, var = 0.0, d
-    cdef int i
-    for i in range(n):
-        mean += v[i]
-    mean /= n
-    for i in range(n):
-        d = v[i] - mean
-        var += d * d
-    var /= n
-    cdef float r = 1.0 / sqrtf(<float>var + eps)
-    for i in range(n):
-        v[i] = (<float>(v[i] - mean)) * r * w[i] + b[i]
-
-
-cdef inline void rope_interleave(float *v, int dr, int pos, const float *inv_freq) noexcept nogil:
-    """Interleaved RoPE: pairs (v[2j], v[2j+1]) rotate by pos·inv_freq[j]; the output is
-    de-interleaved ([rotated evens | rotated odds]), as HF's apply_rotary_pos_emb_interleave."""
-    cdef float tmp[256]
-    cdef int j, half = dr // 2
-    cdef float ang, c, s, a, b
-    for j in range(half):
-        ang = (<float>pos) * inv_freq[j]
-        c = cosf(ang)
-        s = sinf(ang)
-        a = v[2 * j]
-        b = v[2 * j + 1]
-        tmp[j] = a * c - b * s
-        tmp[half + j] = b * c + a * s
-    memcpy(v, tmp, dr * sizeof(float))
-
-
-cdef inline float silu(float x) noexcept nogil:
-    return x / (1.0 + expf(-x))
-
-
-def rmsnorm(x, w, float eps):
-    """rmsnorm over the last axis (numpy front-end to the engine's kernel, for tests)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    w = np.ascontiguousarray(w, dtype=np.float32)
-    out = np.empty_like(x)
-    cdef int ncol = x.shape[x.ndim - 1]
-    cdef float[:, ::1] xv = x.reshape(-1, ncol)
-    cdef float[:, ::1] ov = out.reshape(-1, ncol)
-    cdef float[::1] wv = w
-    cdef int r
-    if wv.shape[0] != xv.shape[1]:
-        raise ValueError("rmsnorm: weight length differs from the row length")
-    for r in range(xv.shape[0]):
-        rmsnorm_row(&ov[r, 0], &xv[r, 0], &wv[0], xv.shape[1], eps)
-    return out
-
-
-def rope(v, int pos, float theta):
-    """Interleaved RoPE of one vector (numpy front-end, for tests)."""
-    v = np.array(v, dtype=np.float32)
-    dr = v.shape[0]
-    inv = rope_inv_freq(dr, theta)
-    cdef float[::1] vv = v
-    cdef float[::1] iv = inv
-    rope_interleave(&vv[0], dr, pos, &iv[0])
-    return v
-
-
-def rope_inv_freq(int dr, float theta):
-    """inv_freq[j] = 1 / theta^(2j/dr), computed in float32 like HF's default RoPE."""
-    exps = np.arange(0, dr, 2, dtype=np.float32) / np.float32(dr)
-    return (np.float32(1.0) / (np.float32(theta) ** exps)).astype(np.float32)
-
-
-# ---------------------------------------------------------------------------------------------
-# Kernel front-ends (ISA selection, tests)
-# ---------------------------------------------------------------------------------------------
-
-ISA_NAMES = {"scalar": 0, "avx2": 1, "avx512vnni": 2}
-
-
 def ffn_scratch_bytes(int pairs, int D, int I, int nt):
     """Bytes of the arrays of FfnScratch(jobs, pairs, D, I, nt) (the RAM plan's fused-group term):
     per pair the quantized inputs and hidden rows with their scales and block sums, the hidden g/u,
@@ -1324,185 +2073,16 @@ def ffn_scratch_bytes(int pairs, int D, int I, int nt):
             + 4 * max(nt, 1) * max(D, I))
 
 
-def split_len(int n):
-    """Bytes of one activation row of width n in the split form (coli_split.h) int4 matmuls read."""
-    return coli_split_len(n)
+cdef inline bint int_qt(QT W, int idot):
+    return W is not None and idot != IDOT_FLOAT and (W.c.fmt == FMT_I8 or W.c.fmt == FMT_I4)
 
 
-def isa_best():
-    return coli_isa_name(coli_isa_best()).decode()
-
-
-def isa_active():
-    return coli_isa_name(coli_isa_active()).decode()
-
-
-def select_isa(name):
-    """Force a kernel variant ("scalar", "avx2", "avx512vnni"); clamped to what the CPU has."""
-    if name not in ISA_NAMES:
-        raise ValueError(f"unknown ISA {name!r}; choose one of {sorted(ISA_NAMES)}")
-    return coli_isa_name(coli_select_isa(ISA_NAMES[name])).decode()
-
-
-def has_openmp():
-    return bool(coli_has_openmp())
-
-
-def max_threads():
-    return coli_max_threads()
-
-
-def set_threads(int n):
-    coli_set_threads(n)
-
-
-def dot_i8i8(w, x):
-    cdef int8_t[::1] wv = np.ascontiguousarray(w, dtype=np.int8)
-    cdef int8_t[::1] xv = np.ascontiguousarray(x, dtype=np.int8)
-    if wv.shape[0] != xv.shape[0] or wv.shape[0] == 0:
-        raise ValueError("dot_i8i8: lengths differ or are zero")
-    return coli_dot_i8i8(&wv[0], &xv[0], wv.shape[0])
-
-
-def dot_i4i8(w_packed, x):
-    cdef uint8_t[::1] wv = np.ascontiguousarray(w_packed, dtype=np.uint8)
-    cdef int8_t[::1] xv = np.ascontiguousarray(x, dtype=np.int8)
-    if wv.shape[0] != (xv.shape[0] + 1) // 2 or xv.shape[0] == 0:
-        raise ValueError("dot_i4i8: packed length must be ceil(n/2)")
-    return coli_dot_i4i8(&wv[0], &xv[0], xv.shape[0])
-
-
-def axpy(y, float c, x, int n=-1):
-    """y + c·x through the dispatched element-wise kernels (tests): x float32, int8, or packed
-    int4 (uint8, n elements, stored u = v + 8)."""
-    cdef float[::1] yv = np.array(y, dtype=np.float32)
-    cdef int m = yv.shape[0]
-    cdef float[::1] xf
-    cdef int8_t[::1] x8
-    cdef uint8_t[::1] x4
-    x = np.ascontiguousarray(x)
-    if m == 0:
-        raise ValueError("axpy: empty row")
-    if x.dtype == np.float32 or x.dtype == np.int8:
-        if x.shape[0] != m:
-            raise ValueError("axpy: lengths differ")
-        if x.dtype == np.float32:
-            xf = x
-            coli_axpy_f32(&yv[0], c, &xf[0], m)
-        else:
-            x8 = x
-            coli_axpy_q8f32(&yv[0], c, &x8[0], m)
-    elif x.dtype == np.uint8:
-        if x.shape[0] != (m + 1) // 2:
-            raise ValueError("axpy: packed length must be ceil(n/2)")
-        x4 = x
-        coli_axpy_q4f32(&yv[0], c, &x4[0], m)
-    else:
-        raise ValueError(f"axpy: unsupported dtype {x.dtype}")
-    return np.asarray(yv)
-
-
-def axpy_rows(y, c, rows, idx=None, int n=-1):
-    """y + Σ_r c[r]·rows[idx[r] if idx else r] through the dispatched multi-row kernels (tests):
-    rows float32 [R, n] (any idx), int8 [R, n] or packed int4 uint8 [R, ceil(n/2)] (no idx)."""
-    cdef float[::1] yv = np.array(y, dtype=np.float32)
-    cdef float[::1] cv = np.ascontiguousarray(c, dtype=np.float32)
-    cdef int m = yv.shape[0], nrows = cv.shape[0]
-    rows = np.ascontiguousarray(rows)
-    if rows.ndim != 2 or m == 0 or nrows == 0:
-        raise ValueError("axpy_rows: y and c must be non-empty, rows 2-D")
-    cdef float[:, ::1] rf
-    cdef int8_t[:, ::1] r8
-    cdef uint8_t[:, ::1] r4
-    cdef int[::1] iv
-    if rows.dtype == np.float32:
-        if rows.shape[1] != m:
-            raise ValueError("axpy_rows: row length differs from y")
-        rf = rows
-        if idx is None:
-            if nrows > rows.shape[0]:
-                raise ValueError("axpy_rows: more coefficients than rows")
-            coli_axpy_rows_f32(&yv[0], m, &cv[0], &rf[0, 0], m, NULL, nrows)
-        else:
-            iv = np.ascontiguousarray(idx, dtype=np.int32)
-            if iv.shape[0] != nrows or min(iv) < 0 or max(iv) >= rows.shape[0]:
-                raise ValueError("axpy_rows: bad row indices")
-            coli_axpy_rows_f32(&yv[0], m, &cv[0], &rf[0, 0], m, &iv[0], nrows)
-    elif rows.dtype == np.int8 and idx is None:
-        if rows.shape[1] != m or nrows > rows.shape[0]:
-            raise ValueError("axpy_rows: int8 rows of the wrong shape")
-        r8 = rows
-        coli_axpy_rows_q8f32(&yv[0], m, &cv[0], &r8[0, 0], rows.shape[1], nrows)
-    elif rows.dtype == np.uint8 and idx is None:
-        if rows.shape[1] != (m + 1) // 2 or nrows > rows.shape[0]:
-            raise ValueError("axpy_rows: packed int4 rows of the wrong shape")
-        r4 = rows
-        coli_axpy_rows_q4f32(&yv[0], m, &cv[0], &r4[0, 0], rows.shape[1], nrows)
-    else:
-        raise ValueError(f"axpy_rows: unsupported rows {rows.dtype} (idx only with float32)")
-    return np.asarray(yv)
-
-
-def quantize_q8(x, int block=0):
-    """Per-block Q8 activation quantization -> (q int8 [n], scales f32 [nblocks])."""
-    cdef float[::1] xv = np.ascontiguousarray(x, dtype=np.float32)
-    cdef int n = xv.shape[0]
-    if n == 0:
-        raise ValueError("quantize_q8: empty row")
-    check_block(block, n)
-    nb = act_nblocks(n, block)
-    blk = n if nb == 1 else block
-    q = np.empty(n, np.int8)
-    s = np.empty(nb, np.float32)
-    cdef int8_t[::1] qv = q
-    cdef float[::1] sv = s
-    coli_quantize_q8(&xv[0], n, blk, &qv[0], &sv[0])
-    return q, s
-
-
-def check_idot(int idot):
-    if idot not in (IDOT_FLOAT, IDOT_Q8, IDOT_Q8X2):
-        raise ValueError(f"idot must be 0 (float), 1 (Q8 activations) or 2 (Q8 + residual), got {idot}")
-
-
-def check_block(int block, int n=0):
-    if block < 0 or (block > 0 and block % 64 != 0):
-        raise ValueError(f"activation block must be 0 (per row) or a multiple of 64, got {block}")
-
-
-def matmul(QT W, x, int block=0, int idot=IDOT_Q8X2):
-    """y[S, O] = x[S, I] · Wᵀ through the engine's dispatcher (tests, tools)."""
-    x = np.ascontiguousarray(np.atleast_2d(x), dtype=np.float32)
-    if x.shape[1] != W.c.I:
-        raise ValueError(f"matmul: x has {x.shape[1]} columns, W has {W.c.I} inputs")
-    check_block(block)
-    S = x.shape[0]
-    y = np.empty((S, W.c.O), np.float32)
-    check_idot(idot)
-    if idot == IDOT_FLOAT:
-        W._plain("matmul with idot=0")
-    xq = np.empty(2 * S * W.c.I, np.int8)
-    xs = np.empty(2 * S * act_nblocks(W.c.I, block), np.float32)
-    xr = np.empty(W.c.I, np.float32)
-    xm = np.empty(2 * S * act_nblocks(W.c.I, block), np.int32)
-    cdef float[:, ::1] xv = x
-    cdef float[:, ::1] yv = y
-    cdef int8_t[::1] qv = xq
-    cdef float[::1] sv = xs, rv = xr
-    cdef int32_t[::1] mv = xm
-    cdef uint8_t[::1] gv
-    cdef uint8_t *xg = NULL
-    if W.c.fmt == FMT_I4:           # room for the activations' split forms
-        gv = np.empty(2 * S * coli_split_len(W.c.I), np.uint8)
-        xg = &gv[0]
-    matmul_qt(&W.c, &xv[0, 0], S, &yv[0, 0], &qv[0], &sv[0], &rv[0], block, idot, &mv[0] if BLOCK_SUMS else NULL,
-              xg)
-    return y
-
+cdef inline bint fusable_c(const QTc *W, int idot) noexcept nogil:
+    return W != NULL and idot != IDOT_FLOAT and (W.fmt == FMT_I8 or W.fmt == FMT_I4)
 
 
 # ---------------------------------------------------------------------------------------------
-# Engine state
+# 6. Engine state: Layer, Expert, the forward's scratch (Work), KVState; the layers of a forward in C
 # ---------------------------------------------------------------------------------------------
 
 class EngineError(RuntimeError):
@@ -1530,7 +2110,7 @@ cdef enum:
     DIRECT_ALIGN = 4096     # O_DIRECT: offsets, sizes and buffers aligned to this (logical block size)
 
 # NOTE(HF): transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps 1e-6;
-# glm.c uses rms_norm_eps (1e-5) there (spec §11.7). We follow transformers.
+# glm.c uses rms_norm_eps (1e-5) there. We follow transformers.
 LORA_NORM_EPS = 1e-6
 # The DSA indexer's k_norm is a LayerNorm with eps 1e-6 in both.
 INDEXER_NORM_EPS = 1e-6
@@ -1541,12 +2121,18 @@ cdef class Layer:
     cdef public int index
     cdef public bint sparse, idx_full
     cdef public object in_ln, post_ln, q_a_ln, kv_a_ln        # f32 [D], [D], [Lq], [Lkv]
-    cdef public QT q_a, q_b, kv_a, kv_b, o_proj              # attention projections
-    cdef public QT gate, up, down                            # dense MLP, or shared expert (None if none)
+    cdef public QT q_a                                       # [Lq, D] attention projections
+    cdef public QT q_b                                       # [H·(dn + dr), Lq]
+    cdef public QT kv_a                                      # [Lkv + dr, D]
+    cdef public QT kv_b                                      # [H·(dn + dv), Lkv]
+    cdef public QT o_proj                                    # [D, H·dv]
+    cdef public QT gate, up, down                            # dense MLP, or shared expert (None if none):
+                                                             # [I, D], [I, D], [D, I]
     cdef public object input_group       # [q_a, kv_a(, wk)] projected in one call, [] if they cannot be; None: not known yet
     cdef public QT router                                    # f32 [E, D]
     cdef public object router_bias                           # f32 [E]
-    cdef public QT iwq, iwk, iwp                             # DSA indexer wq_b, wk, weights_proj
+    cdef public QT iwq, iwk, iwp                             # DSA indexer wq_b, wk, weights_proj:
+                                                             # [inh·ihd, Lq], [ihd, D], [inh, D]
     cdef public object ik_w, ik_b                            # indexer k_norm weight, bias [index_hd]
 
 
@@ -1554,22 +2140,11 @@ cdef class Expert:
     """One routed expert's three matrices, read from disk into one slab, or used in place in the
     container's mapping (``mapped``: its _ExpertLayout; ``slab`` is then a view of the mapping)."""
     cdef public int eid
-    cdef public QT gate, up, down
-    cdef public object slab
+    cdef public QT gate, up, down       # [I, D], [I, D], [D, I] (I = moe_intermediate_size)
+    cdef public object slab             # uint8 [nbytes]: the three payloads
     cdef public long long nbytes
     cdef public object mapped
-    cdef object __weakref__             # the slab pool waits for an evicted expert's end (_SlabPool)
-
-
-cdef struct ScoreIdx:
-    float v
-    int t
-
-
-cdef int cmp_int_asc(const void *a, const void *b) noexcept nogil:
-    cdef int x = (<const int *>a)[0]
-    cdef int y = (<const int *>b)[0]
-    return (x > y) - (x < y)
+    cdef object __weakref__             # the slab pool waits for an evicted expert's end (cache.SlabPool)
 
 
 # A forward of more rows than this runs its attention, dense MLP, shared expert and each routed
@@ -1648,12 +2223,38 @@ cdef class Work:
     """Scratch buffers of one forward: S rows (attention and FFNs in chunks of C), T keys. Sized
     once, reused while they fit."""
     cdef public int S, C, T, widest
-    cdef public float[:, ::1] n, a, out, qr, q, ckv, ctx, xg, yg, rl, rw, kvb, tbuf, ik, iq, iw, isc
-    cdef public float[::1] g, u, xs, xr, uw
-    cdef public int8_t[::1] xq
-    cdef public int32_t[::1] xm
-    cdef public int[:, ::1] sel, rsel
-    cdef public int[::1] nsel, upos, uniq, ustart, urow
+    # shapes as work_shapes makes them (C: rows of a chunk; the DSA buffers [1, 1] without DSA)
+    cdef public float[:, ::1] n         # [S, D] the layer's normalized input
+    cdef public float[:, ::1] a         # [C, D]
+    cdef public float[:, ::1] out       # [S, D] the MLP output
+    cdef public float[:, ::1] qr        # [C, Lq]
+    cdef public float[:, ::1] q         # [C, H·(dn + dr)]
+    cdef public float[:, ::1] ckv       # [C, Lkv + dr]
+    cdef public float[:, ::1] ctx       # [C, H·dv]
+    cdef public float[:, ::1] xg        # [C, D]
+    cdef public float[:, ::1] yg        # [C, D]
+    cdef public float[:, ::1] rl        # [S, E] router logits
+    cdef public float[:, ::1] rw        # [S, K] routing weights
+    cdef public float[:, ::1] kvb       # [max(kvb_rows, 1), H·(dn + dv)] kv_b rows (expanded attention)
+    cdef public float[:, ::1] tbuf      # [nt, ATTN_BLOCK·(2·Lkv + max(2·T, dn))] per-thread attention scratch
+    cdef public float[:, ::1] ik        # [C, ihd] indexer keys
+    cdef public float[:, ::1] iq        # [C, inh·ihd] indexer queries
+    cdef public float[:, ::1] iw        # [C, inh] indexer head weights
+    cdef public float[:, ::1] isc       # [nt, 2·T] indexer key scores (ScoreIdx pairs)
+    cdef public float[::1] g            # [C·I] (I: the width of the MLP at hand)
+    cdef public float[::1] u            # [C·I]
+    cdef public float[::1] xs           # [2·act_blocks] activation scales (see matmul_qt)
+    cdef public float[::1] xr           # [widest]
+    cdef public float[::1] uw           # [S·K]
+    cdef public int8_t[::1] xq          # [2·act] quantized activations
+    cdef public int32_t[::1] xm         # [2·act_blocks] their block sums
+    cdef public int[:, ::1] sel         # [S, index_topk] DSA selections
+    cdef public int[:, ::1] rsel        # [S, K] routed experts
+    cdef public int[::1] nsel           # [S] DSA selection counts
+    cdef public int[::1] upos           # [E] batch_union's scratch and results
+    cdef public int[::1] uniq           # [S·K]
+    cdef public int[::1] ustart         # [S·K + 1]
+    cdef public int[::1] urow           # [S·K]
 
     def __init__(self, c, int S, int T, bint dsa, int kvb_rows, int chunk=0):
         shapes = work_shapes(c, S, T, dsa, kvb_rows, max(coli_max_threads(), 1), chunk)
@@ -1680,6 +2281,149 @@ class KVState:
         start = self.mtp_start if layer == m.cfg.n_layers else 0
         return m.kv_rows(kind, layer, start, self.n)
 
+
+# -- the layers of a decode / verify forward without Python (layers_step) ---------------------
+
+cdef struct ExpertRef:
+    # A resident routed expert's matrices (the engine's mirror of the expert cache's tiers;
+    # gate NULL: not resident)
+    const QTc *gate
+    const QTc *up
+    const QTc *down
+
+
+cdef struct TokenStep:
+    # The layers of one decode / verify forward (layers_step); filled by Model._token_step.
+    LayerStep *steps                    # [nL] per layer (Model._steps), per-call fields set here
+    const int *k0                       # [nL] each layer's KV window start
+    int nL, S, pos_base, D, E, K
+    float *x                            # [S, D] the residual
+    float *out                          # [S, D] the MLP output (Work.out)
+    const ExpertRef *etab               # [nL + 1, E] resident experts
+    bint moe_c                          # MoE layers may take resident experts in place
+    bint handoff                        # every layer's MLP to Python (router lookahead this forward)
+    # the fused FFN group's scratch (FfnScratch; P = its max_pairs, W = its hidden width I)
+    FfnJob *jobs                        # [max_jobs]
+    int8_t *xq                          # [2·P·D]
+    int8_t *hq                          # [2·P·W]
+    float *xs                           # [2·P·D]
+    float *g                            # [P·W]
+    float *u                            # [P·W]
+    float *hs                           # [2·P·W]
+    float *yd                           # [P·D]
+    float *xr                           # [nt, xr_stride]
+    Py_ssize_t xr_stride, W, xgs, hgs
+    int32_t *xm                         # [2·P·D] (NULL: no block sums)
+    int32_t *hm                         # [2·P·W] (NULL: no block sums)
+    uint8_t *xg                         # [2·P·xgs]
+    uint8_t *hg                         # [2·P·hgs]
+    int *urow                           # [P]
+    float *uw                           # [P]
+    int *rec_nu                         # out [nL]: experts of the layer used in place (-1: none)
+    int *rec_ids                        # out [nL, rec_stride]: their ids (the batch union)
+    Py_ssize_t rec_stride
+    int bad                             # out: router NaN row of the layer returned, or -1
+    double t_attn, t_moe                # out: seconds in the attention halves / the FFNs
+
+
+cdef inline void ffn_fields(TokenStep *T, FfnScratch fs) noexcept:
+    """T's fused-FFN scratch fields: pointers into fs (which the caller keeps alive)."""
+    T.jobs, T.xq, T.hq, T.xs, T.g, T.u = fs.jobs, fs.p_xq, fs.p_hq, fs.p_xs, fs.p_g, fs.p_u
+    T.hs, T.yd, T.xr, T.xr_stride, T.W = fs.p_hs, fs.p_yd, fs.p_xr, fs.xr_stride, fs.I
+    T.xm = fs.p_xm if BLOCK_SUMS else NULL
+    T.hm = fs.p_hm if BLOCK_SUMS else NULL
+    T.xg, T.hg, T.xgs, T.hgs, T.urow, T.uw = fs.p_xg, fs.p_hg, fs.xgs, fs.hgs, fs.p_urow, fs.p_uw
+
+
+cdef inline double now_s() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + 1e-9 * ts.tv_nsec
+
+
+cdef int mlp_step(TokenStep *T, LayerStep *P, int l) noexcept nogil:
+    """T.out = the layer's MLP of P.n as Model.moe / dense_mlp compute it fused: the routed experts
+    of the batch union (ascending id, each on its rows and weights), then the shared expert on
+    every row; a dense layer its MLP. Returns 1 without computing when an expert is not resident
+    (or not fusable): the caller hands the layer's MLP to Python."""
+    cdef int S = P.S, D = P.D, u, e, i, nu = P.nu if P.router != NULL else 0, nj = 0, p = 0, nw = 0, nr
+    cdef const ExpertRef *R
+    cdef double h = 0.0
+    if T.handoff:
+        return 1
+    if P.router != NULL:
+        if not T.moe_c:
+            return 1
+        for u in range(nu):
+            R = &T.etab[<Py_ssize_t>l * T.E + P.uniq[u]]
+            if not (fusable_c(R.gate, P.idot) and fusable_c(R.up, P.idot) and fusable_c(R.down, P.idot)):
+                return 1
+    for u in range(nu + (1 if P.gate != NULL else 0)):
+        if u < nu:
+            R = &T.etab[<Py_ssize_t>l * T.E + P.uniq[u]]
+            nr = P.ustart[u + 1] - P.ustart[u]
+            for i in range(nr):
+                T.urow[p + i] = P.urow[P.ustart[u] + i]
+                T.uw[p + i] = P.uw[P.ustart[u] + i]
+            nw = fill_job(&T.jobs[nj], R.gate, R.up, R.down, p, 0, nr, nw, D, P.block, T.W, T.xgs, T.hgs)
+        else:                           # the shared expert (or the dense MLP): every row, weight 1
+            nr = S
+            for i in range(nr):
+                T.urow[p + i] = i
+                T.uw[p + i] = 1.0
+            nw = fill_job(&T.jobs[nj], P.gate, P.up, P.down, p, 0, nr, nw, D, P.block, T.W, T.xgs, T.hgs)
+        h += <double>nr * T.jobs[nj].I
+        p += nr
+        nj += 1
+    for i in range(S * D):
+        T.out[i] = 0.0
+    if nj > 0:
+        ffn_group(T.jobs, nj, p, nw, P.n, D, T.urow, T.uw, P.block, P.idot, T.xq, T.xs, T.g, T.u, T.hq,
+                  T.hs, T.yd, T.xr, T.xr_stride, T.out,
+                  1 if 3.0 * h * D < FUSED_MIN_MACS else coli_max_threads(), T.xm, T.hm, True,
+                  T.xg, T.xgs, T.hg, T.hgs)
+    return 0
+
+
+cdef int layers_step(TokenStep *T, int l0, int *attn_done) noexcept nogil:
+    """Layers l0.. of a forward of T.S rows, each in two parallel regions (attend_step, then the
+    fused MLP), without returning to Python: x += attention; x += mlp. Returns the first layer it
+    could not finish (T.nL: all done); *attn_done then says whether that layer's attention half
+    (and routing) is done, T.bad whether its router saw NaN. Layers finished here record the
+    experts they used in place (T.rec_nu, T.rec_ids) for the cache's bookkeeping."""
+    cdef int l, i, S = T.S
+    cdef LayerStep *P
+    cdef double t0
+    T.bad = -1
+    for l in range(l0, T.nL):
+        T.rec_nu[l] = -1
+        P = &T.steps[l]
+        P.x, P.S, P.pos_base, P.k0 = T.x, S, T.pos_base, T.k0[l]
+        P.nt = 1 if <double>S * P.macs_row < PARALLEL_MIN_MACS else coli_max_threads()
+        t0 = now_s()
+        attend_step(P)
+        T.t_attn += now_s() - t0
+        attn_done[0] = 1
+        if P.bad >= 0:
+            T.bad = P.bad
+            return l
+        t0 = now_s()
+        if mlp_step(T, P, l) != 0:
+            return l
+        T.t_moe += now_s() - t0
+        for i in range(S * T.D):
+            T.x[i] += T.out[i]
+        if P.router != NULL:
+            T.rec_nu[l] = P.nu
+            for i in range(P.nu):
+                T.rec_ids[l * T.rec_stride + i] = P.uniq[i]
+    attn_done[0] = 0
+    return T.nL
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Model
+# ---------------------------------------------------------------------------------------------
 
 cdef class Model:
     """A loaded glm_moe_dsa model: resident dense weights, streamed experts, KV cache, stats.
@@ -2303,7 +3047,7 @@ cdef class Model:
 
     def attention(self, Layer L, float[:, ::1] n, int S, int pos_base, float[:, ::1] out, Work ws,
                   int path=-1, int kvb_from=0, int row0=0):
-        """MLA attention with the compressed KV cache (spec §4.3). n [S, D] -> out [S, D], S <= ws.C.
+        """MLA attention with the compressed KV cache (glm.c's attention). n [S, D] -> out [S, D], S <= ws.C.
         path: 1 absorbed, 0 expanded, -1 decided here (absorbed_path); a chunk of a longer forward
         gets the forward's, so every row computes the same function as in one batch.
         kvb_from: the expanded path's kv_b rows below it are already in ws.kvb (earlier chunks);
@@ -2828,11 +3572,12 @@ cdef class Model:
                             out[j0 + s, i] += yg[s, i]
 
     def _moe_overlapped(self, Layer L, fetch, float[:, ::1] n, int S, float[:, ::1] out, Work ws, int nu):
-        """The fused MoE call while some of its experts are still being read (spec §7.5): the
-        experts already present and the shared expert are multiplied first, the others once
-        read, and the outputs are summed in the one-group order (ascending expert id, then the
-        shared expert), so the result is bit-identical to the plain call. Returns False, having
-        changed nothing in out, when the FFNs cannot be fused (the caller takes the plain path)."""
+        """The fused MoE call while some of its experts are still being read (glm.c's moe only
+        asks for WILLNEED readahead of its next block of experts): the experts already present
+        and the shared expert are multiplied first, the others once read, and the outputs are
+        summed in the one-group order (ascending expert id, then the shared expert), so the result
+        is bit-identical to the plain call. Returns False, having changed nothing in out, when the
+        FFNs cannot be fused (the caller takes the plain path)."""
         cdef int[::1] uniq = ws.uniq
         cdef int u, p
         ready = fetch.ready
@@ -2886,7 +3631,7 @@ cdef class Model:
         return jobs, p
 
     def layer_forward(self, Layer L, float[:, ::1] x, int S, int pos_base):
-        """x[S, D] += attention(norm(x)); x += mlp(norm(x)) (spec §4.2). Attention takes the rows
+        """x[S, D] += attention(norm(x)); x += mlp(norm(x)) (glm.c's layer_forward). Attention takes the rows
         ws.C at a time (a chunk's KV rows are written before its queries attend, and the expanded
         path keeps the kv_b rows of earlier chunks), the MLP all S rows (each routed expert read
         once), so the result is the same as one batch."""
@@ -3108,10 +3853,11 @@ cdef class Model:
         return nu
 
     def pilot_prefetch(self, Layer Nx, float[:, ::1] x, int S, Work ws):
-        """Router lookahead (spec §7.7): layer Nx's router applied to the current post-attention
-        residual x [S, D], normalized with Nx's post_attention_layernorm, predicts Nx's experts;
-        they are loaded into the cache on the prefetch thread while this layer computes. The
-        prediction is recorded so the cache counts its recall against Nx's true routing."""
+        """Router lookahead (glm.c's PILOT prefetch in layer_forward): layer Nx's router applied to
+        the current post-attention residual x [S, D], normalized with Nx's post_attention_layernorm,
+        predicts Nx's experts; they are loaded into the cache on the prefetch thread while this
+        layer computes. The prediction is recorded so the cache counts its recall against Nx's
+        true routing."""
         c = self.cfg
         cdef int E = c.n_experts, K = c.topk, D = c.hidden, s, k
         cdef float[:, ::1] rl = ws.rl, rw = ws.rw, pn = ws.xg
@@ -3259,18 +4005,18 @@ cdef class Model:
         return self.logits_rows(x[len(x) - 1:])[0]
 
     def step_all(self, ids, int pos_base):
-        """Forward ids at pos_base..; logits of every row [S, V] (spec §5.3)."""
+        """Forward ids at pos_base..; logits of every row [S, V] (glm.c's step_all)."""
         x = self._forward(ids, pos_base)
         return self.logits_rows(x)
 
     def forward_all(self, ids):
-        """Teacher forcing from position 0: (argmax per position [S], logits [S, V]) (spec §5.4)."""
+        """Teacher forcing from position 0: (argmax per position [S], logits [S, V]) (glm.c's forward_all)."""
         self.kv_alloc(len(ids))
         logits = self.step_all(ids, 0)
         return np.argmax(logits, axis=1).astype(np.int64), logits
 
     def generate(self, prompt, int n_new, callback=None):
-        """Greedy continuation of prompt by n_new tokens (spec §5.5, no drafts, no stop set)."""
+        """Greedy continuation of prompt by n_new tokens (glm.c's generate, no drafts, no stop set)."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("empty prompt")
@@ -3308,7 +4054,7 @@ cdef class Model:
         return hx
 
     def mtp_draft(self, int next_tok, int kv, int G, double min_p=0.0):
-        """Native MTP chain (spec §6.6): up to G draft tokens for positions kv+1.. given next_tok
+        """Native MTP chain (glm.c's mtp_draft): up to G draft tokens for positions kv+1.. given next_tok
         (the token chosen for position kv) and hlast (the residual at kv-1). Drafts are argmax.
         min_p > 0: the chain ends before a draft whose top-1 probability under the head is below
         min_p (it would likely be rejected and its verify row costs time). The chain runs in C
@@ -3499,7 +4245,7 @@ cdef class Model:
 
     def mtp_absorb(self, next_ids, x, int pos_base):
         """Teach the MTP KV the verified pairs (token at p+1, residual at p) for
-        p = pos_base .. pos_base+S-1 in one batched pass through the MTP layer (spec §6.7)."""
+        p = pos_base .. pos_base+S-1 in one batched pass through the MTP layer (glm.c's mtp_absorb)."""
         c = self.cfg
         NL = c.n_layers
         cdef int S = len(next_ids), i
@@ -3523,7 +4269,7 @@ cdef class Model:
 
     def spec_decode(self, ids, int kv, int n_new, logits, Sampler sampler, policy=None, stops=(), emit=None,
                     trace=None):
-        """Generate up to n_new tokens with speculative decoding (spec §6.8).
+        """Generate up to n_new tokens with speculative decoding (glm.c's spec_decode).
 
         ids: the token history (a list; ids[:kv] are in the KV cache and are extended in place);
         logits: the distribution for position kv-1. Each iteration picks a token, asks for drafts
@@ -3570,7 +4316,7 @@ cdef class Model:
             if emit is not None:
                 emit(nxt)
             if len(out) >= n_new:
-                break                     # the last token is not forwarded (spec §11.20)
+                break                     # the last token is not forwarded (as in glm.c's spec_decode)
             t0 = time.perf_counter()
             t_catch = t_absorb = 0.0
             self.lookahead_on = self.pilot and self.lookahead.enabled()    # (no lookahead: no counters read)
@@ -3734,750 +4480,7 @@ cdef class Model:
 
 
 # ---------------------------------------------------------------------------------------------
-# nogil attention / routing kernels
-# ---------------------------------------------------------------------------------------------
-
-cdef inline void softmax_inplace(float *sc, int n) noexcept nogil:
-    cdef float m = sc[0], sum = 0.0
-    cdef int j
-    for j in range(1, n):
-        if sc[j] > m:
-            m = sc[j]
-    for j in range(n):
-        sc[j] = expf(sc[j] - m)
-        sum += sc[j]
-    for j in range(n):
-        sc[j] = sc[j] / sum
-
-
-cdef void attend_expanded(const float *q, const float *kvb, const float *Rc, const int *sel, int nsel,
-                          int k0, int pos, int h, int H, int dn, int dr, int dv, float scale,
-                          float *tbuf, float *ctx) noexcept nogil:
-    """One (row, head) of expanded attention: keys/values from kvb [T, H·(dn+dv)] (kv_b applied to
-    every cached latent) plus the shared rotated key Rc [T, dr]. Keys: the DSA selection sel[:nsel]
-    when nsel > 0, else the causal window k0..pos."""
-    cdef int dq = dn + dr, W = H * (dn + dv), j, i, nk = nsel if nsel > 0 else pos + 1 - k0
-    cdef const float *qh = q + <Py_ssize_t>h * dq
-    cdef float *sc = tbuf
-    cdef float *o = ctx + <Py_ssize_t>h * dv
-    cdef float *sr = sc + nk                          # the rope part of the scores
-    cdef const int *keys = sel if nsel > 0 else NULL  # rows of kvb / Rc: sel[j], or k0 + j
-    cdef const float *kh = kvb + h * (dn + dv) + (0 if nsel > 0 else <Py_ssize_t>k0 * W)   # head h's keys
-    coli_dots_f32(qh, dn, kh, W, keys, nk, sc)
-    coli_dots_f32(qh + dn, dr, Rc + (0 if nsel > 0 else <Py_ssize_t>k0 * dr), dr, keys, nk, sr)
-    for j in range(nk):
-        sc[j] = (sc[j] + sr[j]) * scale
-    softmax_inplace(sc, nk)
-    for i in range(dv):
-        o[i] = 0.0
-    coli_axpy_rows_f32(o, dv, sc, kh + dn, W, keys, nk)    # o = Σ_j p_j v_j
-
-
-cdef enum:
-    ATTN_BLOCK = 4          # prompt attention's work item: query rows of one head (expanded), or
-                            # heads of one row (absorbed), that share their keys
-
-
-cdef void attend_expanded_rows(const float *q, const float *kvb, const float *Rc, const int *sel,
-                               const int *nsel, int topk, int s0, int s1, int k0, int pos_base, int h,
-                               int H, int dn, int dr, int dv, float scale, float *tbuf,
-                               float *ctx) noexcept nogil:
-    """Head h of expanded attention for rows s0..s1-1 (q [S, H·(dn+dr)], ctx [S, H·dv], at positions
-    pos_base + s), each bit-identical to attend_expanded. Causal rows (no DSA selection) go
-    together: their common keys k0..pos_base+s0 through the multi-query kernels (one read of each
-    key row for the block), row s's later keys through the one-row ones; every score and every
-    output element sees the same operations in the same order as a row alone."""
-    cdef int dq = dn + dr, W = H * (dn + dv), nb = s1 - s0, r, j, i, nk
-    cdef int nk0 = pos_base + s0 + 1 - k0                     # keys every row of the block sees
-    cdef Py_ssize_t ts = 2 * (nk0 + nb - 1)                   # tbuf floats per row: scores, rope part
-    cdef const float *qh = q + <Py_ssize_t>s0 * H * dq + <Py_ssize_t>h * dq    # [nb, H·dq] row stride
-    cdef const float *kh = kvb + h * (dn + dv) + <Py_ssize_t>k0 * W            # head h's key k0
-    cdef const float *rh = Rc + <Py_ssize_t>k0 * dr
-    cdef float *o = ctx + <Py_ssize_t>s0 * H * dv + <Py_ssize_t>h * dv         # [nb, H·dv] row stride
-    cdef float *sc
-    cdef bint selected = False
-    if nsel != NULL:
-        for r in range(nb):
-            selected = selected or nsel[s0 + r] > 0
-    if selected:                              # a DSA selection: every row on its own
-        for r in range(nb):
-            attend_expanded(q + <Py_ssize_t>(s0 + r) * H * dq, kvb, Rc, sel + <Py_ssize_t>(s0 + r) * topk,
-                            nsel[s0 + r], k0, pos_base + s0 + r, h, H, dn, dr, dv, scale, tbuf,
-                            ctx + <Py_ssize_t>(s0 + r) * H * dv)
-        return
-    # scores of row r: tbuf[r·ts + j] (q_nope·k_nope), tbuf[r·ts + ts/2 + j] (q_rope·k_rope)
-    coli_dots_f32_multi(qh, H * dq, nb, dn, kh, W, NULL, nk0, tbuf, ts)
-    coli_dots_f32_multi(qh + dn, H * dq, nb, dr, rh, dr, NULL, nk0, tbuf + ts // 2, ts)
-    for r in range(1, nb):
-        coli_dots_f32(qh + <Py_ssize_t>r * H * dq, dn, kh + <Py_ssize_t>nk0 * W, W, NULL, r,
-                      tbuf + r * ts + nk0)
-        coli_dots_f32(qh + <Py_ssize_t>r * H * dq + dn, dr, rh + <Py_ssize_t>nk0 * dr, dr, NULL, r,
-                      tbuf + r * ts + ts // 2 + nk0)
-    for r in range(nb):
-        sc = tbuf + r * ts
-        nk = nk0 + r
-        for j in range(nk):
-            sc[j] = (sc[j] + sc[ts // 2 + j]) * scale
-        softmax_inplace(sc, nk)
-        for i in range(dv):
-            o[<Py_ssize_t>r * H * dv + i] = 0.0
-    # o_r = Σ_j p_rj v_j: the common keys for the block, then row r's own later keys
-    coli_axpy_rows_f32_multi(o, H * dv, nb, dv, tbuf, ts, kh + dn, W, NULL, nk0)
-    for r in range(1, nb):
-        coli_axpy_rows_f32(o + <Py_ssize_t>r * H * dv, dv, tbuf + r * ts + nk0, kh + dn + <Py_ssize_t>nk0 * W,
-                           W, NULL, r)
-
-
-cdef void attend_absorbed_heads(const QTc *kv_b, const float *q, const float *Lc, const float *Rc,
-                                const int *sel, int nsel, int k0, int pos, int h0, int h1, int H, int dn,
-                                int dr, int dv, int Lkv, float scale, float *tbuf, float *ctx) noexcept nogil:
-    """Heads h0..h1-1 of one row of absorbed attention, entirely in the kv_lora latent space:
-    qabs = W_k,hᵀ q_nope; score_t = qabs·Lc_t + q_rope·Rc_t; ctx = W_v,h (Σ_t p_t Lc_t). Keys: the
-    DSA selection sel[:nsel] when nsel > 0, else the causal window k0..pos. The heads share the
-    row's keys, so their scores and latent sums go through the multi-query kernels, which read each
-    key once for all of them and give each head what it computes alone (decode: one head an item).
-    tbuf: per head qabs [Lkv], clat [Lkv] and scores [max(2·nk, dn)]."""
-    cdef int dq = dn + dr, nh = h1 - h0, j, t, i, nk = nsel if nsel > 0 else pos + 1 - k0
-    cdef Py_ssize_t ss = 2 * nk if 2 * nk > dn else dn                  # a head's score floats
-    cdef Py_ssize_t hs = 2 * Lkv + ss                                  # a head's tbuf floats
-    cdef const int *keys = sel if nsel > 0 else NULL   # rows of Lc / Rc: sel[t], or k0 + t
-    cdef Py_ssize_t first = 0 if nsel > 0 else k0
-    cdef float *qabs
-    cdef float *sc
-    for j in range(nh):                                # qabs_j = W_k,hᵀ q_nope,h
-        qabs = tbuf + j * hs
-        for i in range(2 * Lkv):
-            qabs[i] = 0.0                              # qabs and clat
-        qt_addrows(kv_b, (h0 + j) * (dn + dv), dn, q + <Py_ssize_t>(h0 + j) * dq, qabs + 2 * Lkv, qabs)
-    # scores of head j: tbuf[j·hs + 2·Lkv + t] (qabs·Lc_t), then + nk (q_rope·Rc_t)
-    coli_dots_f32_multi(tbuf, hs, nh, Lkv, Lc + first * Lkv, Lkv, keys, nk, tbuf + 2 * Lkv, hs)
-    coli_dots_f32_multi(q + <Py_ssize_t>h0 * dq + dn, dq, nh, dr, Rc + first * dr, dr, keys, nk,
-                        tbuf + 2 * Lkv + nk, hs)
-    for j in range(nh):
-        sc = tbuf + j * hs + 2 * Lkv
-        for t in range(nk):
-            sc[t] = (sc[t] + sc[nk + t]) * scale
-        softmax_inplace(sc, nk)
-    # clat_j = Σ_t p_jt Lc_t, then ctx_h = W_v,h clat_j
-    coli_axpy_rows_f32_multi(tbuf + Lkv, hs, nh, Lkv, tbuf + 2 * Lkv, hs, Lc + first * Lkv, Lkv, keys, nk)
-    for j in range(nh):
-        qt_rowdots_f(kv_b, (h0 + j) * (dn + dv) + dn, dv, tbuf + j * hs + Lkv, ctx + (h0 + j) * dv)
-
-
-cdef enum:
-    DSA_KEY_BLOCK = 256     # keys per work item of the indexer's scores in attend_step
-
-
-cdef struct LayerStep:
-    # One layer's attention half for S rows in one parallel region (attend_step): every pointer
-    # is checked by Model._attend_step before the region starts.
-    int S, D, H, dn, dr, dv, Lq, Lkv, pos_base, k0, idot, block, nt
-    float eps, leps, scale              # the layer norms' eps, q_a / kv_a norms' (LORA_NORM_EPS)
-    float *x                            # [S, D] residual (in/out)
-    float *n                            # [S, D] post-attention norm of x (out): the MLP input
-    float *a                            # [S, D] o_proj output
-    const float *in_ln                  # [D]
-    const float *post_ln                # [D]
-    const float *qa_ln                  # [Lq]
-    const float *kv_ln                  # [Lkv]
-    const float *inv                    # [dr / 2] rope inverse frequencies
-    const QTc *ins[MANY_MAX]            # q_a, kv_a (, the indexer's wk): one input, one pass
-    float *ins_y[MANY_MAX]              # their outputs qr [S, Lq], ckv [S, Lkv + dr] (, ik [S, ihd])
-    int n_ins
-    const QTc *q_b
-    const QTc *kv_b
-    const QTc *o_proj
-    float *qr                           # [S, Lq]
-    float *ckv                          # [S, Lkv + dr]
-    float *q                            # [S, H·(dn + dr)]
-    float *ctx                          # [S, H·dv]
-    float *Lc                           # [max_t, Lkv] this layer's latent cache
-    float *Rc                           # [max_t, dr] its rotated shared keys
-    float *Ic                           # [max_t, ihd] its indexer keys (NULL: the layer writes none)
-    float *ik                           # [S, ihd] the indexer's keys of these rows
-    const float *ik_w                   # [ihd] indexer k_norm weight, bias
-    const float *ik_b
-    int ihd
-    float ieps
-    float *tbuf                         # [nt, tstride] per-thread attention scratch
-    Py_ssize_t tstride
-    int8_t *xq                          # activation scratch (see matmul_qt)
-    float *xs
-    float *xr
-    int32_t *xm
-    uint8_t *xg                         # split activations (group-scaled int4; NULL: none)
-    # routing (MoE layers; router NULL: a dense layer)
-    const QTc *router                   # [E, D]
-    const float *rbias                  # [E]
-    int E, K
-    bint norm_topk
-    float rs
-    float *rl                           # [S, E] router logits
-    int *rsel                           # [S, K]
-    float *rw                           # [S, K]
-    int *upos                           # batch_union's scratch and results (see batch_union)
-    int *uniq
-    int *ustart
-    int *urow
-    float *uw
-    int nu                              # out: unique experts of the batch
-    int bad                             # out: first row with NaN router scores, or -1
-    # the DSA indexer (Ic NULL: the layer writes no keys; nsel NULL: it attends densely)
-    int *nsel                           # [S] the selection counts of the rows (0: every key)
-    int *sel                            # [S, topk] their selections (a shared layer reuses them)
-    int topk, inh                       # index_topk, indexer heads
-    bint force                          # select even when the context fits index_topk (--dsa-force)
-    const QTc *iwq                      # [inh·ihd, Lq] wq_b, with q_b on the quantized q_a output
-    const QTc *iwp                      # [inh, D] weights_proj (in the input group when wp_grouped)
-    bint wp_grouped
-    float *iq                           # [S, inh·ihd] indexer queries
-    float *iw                           # [S, inh] indexer head weights
-    float *isc                          # [2·ws.T] the key scores of one row (ScoreIdx pairs; _work gives
-                                        # every forward a scratch with ws.T >= its keys)
-    float qscale, wscale                # 1/√ihd, 1/√inh
-    double macs_row                     # multiply-adds of the attention half per row (thread count)
-    const QTc *gate                     # the dense MLP, or the shared expert (gate NULL: none)
-    const QTc *up
-    const QTc *down
-
-
-cdef inline void quant_split(const float *x, int S, int I, int block, int idot, int8_t *xq, float *xs,
-                             float *xr, int32_t *xm, uint8_t *xg, bint split) noexcept nogil:
-    """quant_rows of x [S, I] as matmul_qt makes them (and the split forms when split)."""
-    cdef int nb = act_nblocks(I, block)
-    quant_rows(x, S, I, I if nb == 1 else block, nb, idot, xq, xs, xr, xm)
-    if split:
-        split_rows(xq, (2 if idot == IDOT_Q8X2 else 1) * S, I, xg, coli_split_len(I))
-
-
-cdef inline void group_of(const QTc *W, int g, LayerStep *P, float *y) noexcept nogil:
-    """Work item g of the matmul y = x · Wᵀ whose activations quant_split left in P's scratch."""
-    cdef int nb = act_nblocks(W.I, P.block)
-    int_group(W, g, P.S, P.xq, P.xs, nb, W.I if nb == 1 else P.block, P.idot, y, P.xm, P.xg,
-              coli_split_len(W.I))
-
-
-cdef inline bint wants_split_of(const QTc *W, LayerStep *P) noexcept nogil:
-    return P.xg != NULL and wants_split(W, act_nblocks(W.I, P.block))
-
-
-cdef void attend_step(LayerStep *P) noexcept nogil:
-    """x += o_proj(attention(input_layernorm(x))); n = post_attention_layernorm(x); and for an MoE
-    layer its routing (router logits, top-K, batch union) — the absorbed path of Model.attention
-    (with the DSA indexer's selection when it runs), moe's routing and layer_forward's residual
-    for S rows in ONE parallel region, phases separated by the barriers that end each prange.
-    Every value is computed by one thread with the kernels and the order of the per-call path
-    (matmul_many, kv_write, matmul_qt, _dsa_select, the head loop, route_row, batch_union), so
-    the results are bit-identical to it; the indexer's key scores of a row are shared out among
-    the threads. Decode and verify batches take it (Model._step_ok decides)."""
-    cdef int S = P.S, D = P.D, H = P.H, dq = P.dn + P.dr, T = P.pos_base + P.S, t, g, k, s, h, item
-    cdef int pos, nk, r, total = 0, nq
-    cdef int starts[MANY_MAX + 1]
-    cdef bint split = False, select = P.Ic != NULL and (T > P.topk or P.force)
-    cdef ScoreIdx *pairs = <ScoreIdx *>P.isc
-    for k in range(P.n_ins):
-        starts[k] = total
-        total += n_groups(P.ins[k].O)
-        split = split or wants_split_of(P.ins[k], P)
-    starts[P.n_ins] = total
-    nq = n_groups(P.q_b.O)
-    P.nu, P.bad = 0, -1
-    with parallel(num_threads=P.nt):
-        t = threadid()
-        # 1. the layer input's norm and its Q8 form (one for q_a, kv_a, wk and wp)
-        for item in prange(1, schedule='static'):
-            for s in range(S):
-                rmsnorm_row(P.n + <Py_ssize_t>s * D, P.x + <Py_ssize_t>s * D, P.in_ln, D, P.eps)
-                if P.Ic != NULL and not select:
-                    P.nsel[s] = 0           # the context fits index_topk: every key (as _dsa_select)
-            quant_split(P.n, S, D, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg, split)
-        # 2. q_a, kv_a (, wk, wp): the groups of all of them in one pass
-        for g in prange(total, schedule='guided', chunksize=GUIDED_MIN):
-            k = 0
-            while starts[k + 1] <= g:
-                k = k + 1
-            group_of(P.ins[k], g - starts[k], P, P.ins_y[k])
-        # 3. the KV rows of these positions; q_a's norm, quantized for q_b (and wq); the indexer
-        # keys; the indexer's head weights when wp is a float matrix. Items in the order 1, 3, 0, 2:
-        # two threads get q_a's norm and quantization (the longest) and the KV rows with the keys
-        for item in prange(4, schedule='static'):
-            k = (2 * item + 1) % 5
-            if k == 0:
-                for s in range(S):
-                    pos = P.pos_base + s
-                    rmsnorm_row(P.Lc + <Py_ssize_t>pos * P.Lkv, P.ckv + <Py_ssize_t>s * (P.Lkv + P.dr),
-                                P.kv_ln, P.Lkv, P.leps)
-                    memcpy(P.Rc + <Py_ssize_t>pos * P.dr, P.ckv + <Py_ssize_t>s * (P.Lkv + P.dr) + P.Lkv,
-                           P.dr * sizeof(float))
-                    rope_interleave(P.Rc + <Py_ssize_t>pos * P.dr, P.dr, pos, P.inv)
-            elif k == 1:
-                for s in range(S):
-                    rmsnorm_row(P.qr + <Py_ssize_t>s * P.Lq, P.qr + <Py_ssize_t>s * P.Lq, P.qa_ln, P.Lq, P.leps)
-                quant_split(P.qr, S, P.Lq, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
-                            wants_split_of(P.q_b, P) or (select and wants_split_of(P.iwq, P)))
-            elif k == 2 and P.Ic != NULL:
-                for s in range(S):
-                    pos = P.pos_base + s
-                    layernorm_row(P.ik + <Py_ssize_t>s * P.ihd, P.ik_w, P.ik_b, P.ihd, P.ieps)
-                    rope_interleave(P.ik + <Py_ssize_t>s * P.ihd, P.dr, pos, P.inv)
-                    memcpy(P.Ic + <Py_ssize_t>pos * P.ihd, P.ik + <Py_ssize_t>s * P.ihd, P.ihd * sizeof(float))
-            elif k == 3 and select and not P.wp_grouped:
-                for s in range(S):
-                    for h in range(P.inh):
-                        P.iw[s * P.inh + h] = qt_rowdot_f(P.iwp, h, P.n + <Py_ssize_t>s * D)
-        # 4. q_b (and the indexer's wq): groups over the quantized q_a output
-        for g in prange(nq + (n_groups(P.iwq.O) if select else 0), schedule='guided', chunksize=GUIDED_MIN):
-            if g < nq:
-                group_of(P.q_b, g, P, P.q)
-            else:
-                group_of(P.iwq, g - nq, P, P.iq)
-        # 5. the DSA selection of each row: rotated indexer queries, key scores shared out, top-k
-        if select:
-            for item in prange(S * P.inh, schedule='static'):
-                rope_interleave(P.iq + <Py_ssize_t>item * P.ihd, P.dr, P.pos_base + item // P.inh, P.inv)
-            for r in range(S):
-                nk = P.pos_base + r + 1
-                for g in prange((nk + DSA_KEY_BLOCK - 1) // DSA_KEY_BLOCK, schedule='static'):
-                    dsa_scores(P.iq + <Py_ssize_t>r * P.inh * P.ihd, P.iw + r * P.inh, P.Ic, g * DSA_KEY_BLOCK,
-                               nk if nk < (g + 1) * DSA_KEY_BLOCK else (g + 1) * DSA_KEY_BLOCK,
-                               P.inh, P.ihd, P.qscale, P.wscale, pairs)
-                for item in prange(1, schedule='static'):
-                    P.nsel[r] = dsa_pick(pairs, nk, P.topk, P.sel + <Py_ssize_t>r * P.topk)
-        # 6. per (row, head): rotate the query's rope part, attend in the latent space (over the
-        # DSA selection of the row when the layer has one with keys in it)
-        for item in prange(S * H, schedule='static'):
-            s = item // H
-            h = item % H
-            rope_interleave(P.q + <Py_ssize_t>s * H * dq + h * dq + P.dn, P.dr, P.pos_base + s, P.inv)
-            attend_absorbed_heads(P.kv_b, P.q + <Py_ssize_t>s * H * dq, P.Lc, P.Rc,
-                                  P.sel + <Py_ssize_t>s * P.topk if P.nsel != NULL else NULL,
-                                  P.nsel[s] if P.nsel != NULL else 0, P.k0,
-                                  P.pos_base + s, h, h + 1, H, P.dn, P.dr, P.dv, P.Lkv, P.scale,
-                                  P.tbuf + t * P.tstride, P.ctx + <Py_ssize_t>s * H * P.dv)
-        # 7. o_proj
-        for item in prange(1, schedule='static'):
-            quant_split(P.ctx, S, H * P.dv, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
-                        wants_split_of(P.o_proj, P))
-        for g in prange(n_groups(P.o_proj.O), schedule='guided', chunksize=GUIDED_MIN):
-            group_of(P.o_proj, g, P, P.a)
-        # 8. the residual and the MLP's input norm
-        for s in prange(S, schedule='static'):
-            for item in range(D):
-                P.x[<Py_ssize_t>s * D + item] += P.a[<Py_ssize_t>s * D + item]
-            rmsnorm_row(P.n + <Py_ssize_t>s * D, P.x + <Py_ssize_t>s * D, P.post_ln, D, P.eps)
-        # 9. routing (MoE layers): the router's logits, then top-K and the batch union
-        if P.router != NULL:
-            if P.router.fmt == FMT_F32 or P.idot == IDOT_FLOAT:
-                for item in prange(S * P.E, schedule='static'):
-                    P.rl[item] = qt_rowdot_f(P.router, item % P.E, P.n + <Py_ssize_t>(item // P.E) * D)
-            else:
-                for item in prange(1, schedule='static'):
-                    quant_split(P.n, S, D, P.block, P.idot, P.xq, P.xs, P.xr, P.xm, P.xg,
-                                wants_split_of(P.router, P))
-                for g in prange(n_groups(P.E), schedule='static'):
-                    group_of(P.router, g, P, P.rl)
-            for item in prange(1, schedule='static'):
-                P.bad = -1
-                for s in range(S):
-                    if P.bad < 0 and route_row(P.rl + <Py_ssize_t>s * P.E, P.rbias, P.E, P.K, P.norm_topk,
-                                               P.rs, P.rsel + <Py_ssize_t>s * P.K, P.rw + <Py_ssize_t>s * P.K) != 0:
-                        P.bad = s
-                if P.bad < 0:
-                    P.nu = batch_union(P.rsel, P.rw, S, P.K, P.E, P.upos, P.uniq, P.ustart, P.urow, P.uw)
-
-
-cdef struct ExpertRef:
-    # A resident routed expert's matrices (the engine's mirror of the expert cache's tiers;
-    # gate NULL: not resident)
-    const QTc *gate
-    const QTc *up
-    const QTc *down
-
-
-cdef struct TokenStep:
-    # The layers of one decode / verify forward (layers_step); filled by Model._token_step.
-    LayerStep *steps                    # [nL] per layer (Model._steps), per-call fields set here
-    const int *k0                       # [nL] each layer's KV window start
-    int nL, S, pos_base, D, E, K
-    float *x                            # [S, D] the residual
-    float *out                          # [S, D] the MLP output (Work.out)
-    const ExpertRef *etab               # [nL + 1, E] resident experts
-    bint moe_c                          # MoE layers may take resident experts in place
-    bint handoff                        # every layer's MLP to Python (router lookahead this forward)
-    # the fused FFN group's scratch (FfnScratch)
-    FfnJob *jobs
-    int8_t *xq
-    int8_t *hq
-    float *xs
-    float *g
-    float *u
-    float *hs
-    float *yd
-    float *xr
-    Py_ssize_t xr_stride, W, xgs, hgs
-    int32_t *xm
-    int32_t *hm
-    uint8_t *xg
-    uint8_t *hg
-    int *urow
-    float *uw
-    int *rec_nu                         # out [nL]: experts of the layer used in place (-1: none)
-    int *rec_ids                        # out [nL, rec_stride]: their ids (the batch union)
-    Py_ssize_t rec_stride
-    int bad                             # out: router NaN row of the layer returned, or -1
-    double t_attn, t_moe                # out: seconds in the attention halves / the FFNs
-
-
-cdef inline void ffn_fields(TokenStep *T, FfnScratch fs) noexcept:
-    """T's fused-FFN scratch fields: pointers into fs (which the caller keeps alive)."""
-    T.jobs, T.xq, T.hq, T.xs, T.g, T.u = fs.jobs, fs.p_xq, fs.p_hq, fs.p_xs, fs.p_g, fs.p_u
-    T.hs, T.yd, T.xr, T.xr_stride, T.W = fs.p_hs, fs.p_yd, fs.p_xr, fs.xr_stride, fs.I
-    T.xm = fs.p_xm if BLOCK_SUMS else NULL
-    T.hm = fs.p_hm if BLOCK_SUMS else NULL
-    T.xg, T.hg, T.xgs, T.hgs, T.urow, T.uw = fs.p_xg, fs.p_hg, fs.xgs, fs.hgs, fs.p_urow, fs.p_uw
-
-
-cdef inline double now_s() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return ts.tv_sec + 1e-9 * ts.tv_nsec
-
-
-cdef inline bint fusable_c(const QTc *W, int idot) noexcept nogil:
-    return W != NULL and idot != IDOT_FLOAT and (W.fmt == FMT_I8 or W.fmt == FMT_I4)
-
-
-cdef int mlp_step(TokenStep *T, LayerStep *P, int l) noexcept nogil:
-    """T.out = the layer's MLP of P.n as Model.moe / dense_mlp compute it fused: the routed experts
-    of the batch union (ascending id, each on its rows and weights), then the shared expert on
-    every row; a dense layer its MLP. Returns 1 without computing when an expert is not resident
-    (or not fusable): the caller hands the layer's MLP to Python."""
-    cdef int S = P.S, D = P.D, u, e, i, nu = P.nu if P.router != NULL else 0, nj = 0, p = 0, nw = 0, nr
-    cdef const ExpertRef *R
-    cdef double h = 0.0
-    if T.handoff:
-        return 1
-    if P.router != NULL:
-        if not T.moe_c:
-            return 1
-        for u in range(nu):
-            R = &T.etab[<Py_ssize_t>l * T.E + P.uniq[u]]
-            if not (fusable_c(R.gate, P.idot) and fusable_c(R.up, P.idot) and fusable_c(R.down, P.idot)):
-                return 1
-    for u in range(nu + (1 if P.gate != NULL else 0)):
-        if u < nu:
-            R = &T.etab[<Py_ssize_t>l * T.E + P.uniq[u]]
-            nr = P.ustart[u + 1] - P.ustart[u]
-            for i in range(nr):
-                T.urow[p + i] = P.urow[P.ustart[u] + i]
-                T.uw[p + i] = P.uw[P.ustart[u] + i]
-            nw = fill_job(&T.jobs[nj], R.gate, R.up, R.down, p, 0, nr, nw, D, P.block, T.W, T.xgs, T.hgs)
-        else:                           # the shared expert (or the dense MLP): every row, weight 1
-            nr = S
-            for i in range(nr):
-                T.urow[p + i] = i
-                T.uw[p + i] = 1.0
-            nw = fill_job(&T.jobs[nj], P.gate, P.up, P.down, p, 0, nr, nw, D, P.block, T.W, T.xgs, T.hgs)
-        h += <double>nr * T.jobs[nj].I
-        p += nr
-        nj += 1
-    for i in range(S * D):
-        T.out[i] = 0.0
-    if nj > 0:
-        ffn_group(T.jobs, nj, p, nw, P.n, D, T.urow, T.uw, P.block, P.idot, T.xq, T.xs, T.g, T.u, T.hq,
-                  T.hs, T.yd, T.xr, T.xr_stride, T.out,
-                  1 if 3.0 * h * D < FUSED_MIN_MACS else coli_max_threads(), T.xm, T.hm, True,
-                  T.xg, T.xgs, T.hg, T.hgs)
-    return 0
-
-
-cdef int layers_step(TokenStep *T, int l0, int *attn_done) noexcept nogil:
-    """Layers l0.. of a forward of T.S rows, each in two parallel regions (attend_step, then the
-    fused MLP), without returning to Python: x += attention; x += mlp. Returns the first layer it
-    could not finish (T.nL: all done); *attn_done then says whether that layer's attention half
-    (and routing) is done, T.bad whether its router saw NaN. Layers finished here record the
-    experts they used in place (T.rec_nu, T.rec_ids) for the cache's bookkeeping."""
-    cdef int l, i, S = T.S
-    cdef LayerStep *P
-    cdef double t0
-    T.bad = -1
-    for l in range(l0, T.nL):
-        T.rec_nu[l] = -1
-        P = &T.steps[l]
-        P.x, P.S, P.pos_base, P.k0 = T.x, S, T.pos_base, T.k0[l]
-        P.nt = 1 if <double>S * P.macs_row < PARALLEL_MIN_MACS else coli_max_threads()
-        t0 = now_s()
-        attend_step(P)
-        T.t_attn += now_s() - t0
-        attn_done[0] = 1
-        if P.bad >= 0:
-            T.bad = P.bad
-            return l
-        t0 = now_s()
-        if mlp_step(T, P, l) != 0:
-            return l
-        T.t_moe += now_s() - t0
-        for i in range(S * T.D):
-            T.x[i] += T.out[i]
-        if P.router != NULL:
-            T.rec_nu[l] = P.nu
-            for i in range(P.nu):
-                T.rec_ids[l * T.rec_stride + i] = P.uniq[i]
-    attn_done[0] = 0
-    return T.nL
-
-
-cdef struct DraftChain:
-    # The MTP head's draft chain (mtp_chain) of one mtp_draft call; filled by Model._chain.
-    TokenStep T                         # the MTP layer as a one-layer forward (T.x = hx)
-    const QTc *embed                    # [V, D]
-    const QTc *eh                       # eh_proj [D, 2D]
-    const QTc *head                     # lm_head [V, D]
-    const float *enorm                  # [D]
-    const float *hnorm                  # [D]
-    const float *fnorm                  # [D] the model's final norm (the first step's hidden)
-    const float *mnorm                  # [D] shared_head.norm
-    const float *h0                     # [D] the main model's residual at position p (hlast)
-    int D, V, p, idot, block
-    float eps
-    float min_p                         # stop after a draft whose top-1 probability is below this
-    float *e                            # [D] embedding row
-    float *cat                          # [2D] eh_proj's input
-    float *hx                           # [D] the MTP residual (in/out of each step)
-    float *hn                           # [D] a normalized row
-    float *logits                       # [G, V] out: each draft's logits
-    int *toks                           # [G] in: toks[-1] is next_tok (toks - 1 valid); out: drafts
-    int *rec_nu                         # [G] out: experts each step used in place (-1: Python did it)
-    int *rec_ids                        # [G, K]
-    int8_t *xq                          # matmul scratch for rows of width <= 2D (see matmul_qt)
-    float *xs
-    float *xr
-    int32_t *xm
-    uint8_t *xg
-    float top1                          # out: top-1 probability of the last draft (min_p > 0)
-    int stop                            # out: why mtp_chain returned before G: 1 min_p, 2 hand-off
-    int bad                             # out: the step whose router or logits saw NaN, or -1
-
-
-cdef int mtp_chain(DraftChain *C, int g0, bint resume, int G) noexcept nogil:
-    """Draft steps g0 .. G-1 of the native MTP chain (spec §6.6) without Python between them:
-    hx = eh_proj · [enorm(embed(tok)) ; hnorm(h)] (h: final_norm(hlast) at step 0, the MTP layer's
-    last output after), the MTP layer on hx at position p + g (layers_step), then the draft
-    argmax(lm_head · shared_head.norm(hx)). resume: step g0's layer is already done (Python
-    finished its MLP). Returns the steps done (their drafts in C.toks); C.stop = 1: the last of
-    them fell below min_p; C.stop = 2: step g's attention half is done and its MLP is Python's
-    (an expert not resident)."""
-    cdef int g, i, D = C.D, V = C.V, best, done
-    cdef float mx, z
-    cdef float *lg
-    for g in range(g0, G):
-        if not (resume and g == g0):
-            memset(C.e, 0, D * sizeof(float))
-            qt_addrow(C.embed, C.toks[g - 1], 1.0, C.e)
-            rmsnorm_row(C.cat, C.e, C.enorm, D, C.eps)
-            if g == 0:
-                rmsnorm_row(C.hn, C.h0, C.fnorm, D, C.eps)
-                rmsnorm_row(C.cat + D, C.hn, C.hnorm, D, C.eps)
-            else:
-                rmsnorm_row(C.cat + D, C.hx, C.hnorm, D, C.eps)
-            matmul_qt(C.eh, C.cat, 1, C.hx, C.xq, C.xs, C.xr, C.block, C.idot, C.xm, C.xg)
-            C.T.pos_base = C.p + g
-            if layers_step(&C.T, 0, &done) < 1:
-                if C.T.bad >= 0:
-                    C.bad = g
-                else:
-                    C.stop = 2
-                return g
-            C.rec_nu[g] = C.T.rec_nu[0]
-            for i in range(C.T.rec_nu[0] if C.T.rec_nu[0] > 0 else 0):
-                C.rec_ids[g * C.T.rec_stride + i] = C.T.rec_ids[i]
-        rmsnorm_row(C.hn, C.hx, C.mnorm, D, C.eps)
-        lg = C.logits + <Py_ssize_t>g * V
-        matmul_qt(C.head, C.hn, 1, lg, C.xq, C.xs, C.xr, C.block, C.idot, C.xm, C.xg)
-        best = 0
-        for i in range(V):
-            if isnan(lg[i]):
-                C.bad = g
-                return g
-            if lg[i] > lg[best]:
-                best = i
-        C.toks[g] = best
-        if C.min_p > 0:
-            mx = lg[best]
-            z = 0.0
-            for i in range(V):
-                z += expf(lg[i] - mx)
-            C.top1 = 1.0 / z
-            if C.top1 < C.min_p:
-                C.stop = 1
-                return g + 1
-    return G
-
-
-cdef int dsa_topk(const float *qi, const float *w, const float *Ic, int nk, int nh, int hd, int topk,
-                  float qscale, float wscale, bint force, float *buf, int *sel) noexcept nogil:
-    """Select the top-k keys of one query; returns the count (0 = context fits: attend densely).
-    buf holds nk ScoreIdx pairs (2 floats each). The selection is returned in ascending position."""
-    if nk <= topk and not force:
-        return 0
-    dsa_scores(qi, w, Ic, 0, nk, nh, hd, qscale, wscale, <ScoreIdx *>buf)
-    return dsa_pick(<ScoreIdx *>buf, nk, topk, sel)
-
-
-cdef inline void dsa_scores(const float *qi, const float *w, const float *Ic, int t0, int t1, int nh, int hd,
-                            float qscale, float wscale, ScoreIdx *pairs) noexcept nogil:
-    """pairs[t] = (Σ_h w_h·wscale·relu(q_h·k_t·qscale), t) for the keys t0 <= t < t1."""
-    cdef int t, h
-    cdef float acc, d
-    for t in range(t0, t1):
-        acc = 0.0
-        for h in range(nh):
-            d = coli_dot_f32(qi + h * hd, Ic + <Py_ssize_t>t * hd, hd) * qscale
-            if d > 0:
-                acc = acc + (w[h] * wscale) * d
-        pairs[t].v = acc
-        pairs[t].t = t
-
-
-cdef inline bint ranks_before(const ScoreIdx *a, const ScoreIdx *b) noexcept nogil:
-    """a before b in the selection order: higher score, ties by lower position (spec Appendix B.6)."""
-    return a.v > b.v or (not (a.v < b.v) and a.t < b.t)
-
-
-cdef inline void swap_pairs(ScoreIdx *p, int i, int j) noexcept nogil:
-    cdef ScoreIdx tmp = p[i]
-    p[i] = p[j]
-    p[j] = tmp
-
-
-cdef void select_first(ScoreIdx *p, int n, int k) noexcept nogil:
-    """Reorder p[0..n) so that p[0..k) holds the k first pairs of the selection order (in no
-    particular order): quickselect, median-of-three pivots, Lomuto partitions (in bounds whatever
-    the comparisons say, e.g. on NaN scores). Expected O(n), where sorting is O(n log n)."""
-    cdef int lo = 0, hi = n - 1, mid, i, store
-    while lo < hi:
-        mid = lo + (hi - lo) // 2
-        if ranks_before(&p[mid], &p[lo]):
-            swap_pairs(p, mid, lo)
-        if ranks_before(&p[hi], &p[lo]):
-            swap_pairs(p, hi, lo)
-        if ranks_before(&p[mid], &p[hi]):
-            swap_pairs(p, mid, hi)          # p[hi]: the median of the three, the pivot
-        store = lo
-        for i in range(lo, hi):
-            if ranks_before(&p[i], &p[hi]):
-                swap_pairs(p, i, store)
-                store += 1
-        swap_pairs(p, store, hi)            # the pivot at its place in the order
-        if store == k:
-            return
-        if store < k:
-            lo = store + 1
-        else:
-            hi = store - 1
-
-
-cdef inline int dsa_pick(ScoreIdx *pairs, int nk, int topk, int *sel) noexcept nogil:
-    """The min(nk, topk) keys of highest score (ties: lower position first), in ascending position."""
-    cdef int t, keep = nk if nk < topk else topk
-    if keep < nk:
-        select_first(pairs, nk, keep)
-    for t in range(keep):
-        sel[t] = pairs[t].t
-    qsort(sel, keep, sizeof(int), cmp_int_asc)
-    return keep
-
-
-def dsa_pick_ids(scores, int topk):
-    """The DSA selection of one query from its key scores [nk] (dsa_pick): the min(nk, topk) keys
-    of highest score, ties by lower position, in ascending position."""
-    cdef float[::1] sv = np.ascontiguousarray(scores, dtype=np.float32)
-    cdef int nk = sv.shape[0], t, keep
-    if nk < 1 or topk < 1:
-        raise ValueError("dsa_pick_ids: at least one key and topk >= 1")
-    cdef ScoreIdx *pairs = <ScoreIdx *>malloc(nk * sizeof(ScoreIdx))
-    sel = np.zeros(min(nk, topk), np.int32)
-    cdef int[::1] out = sel
-    if pairs == NULL:
-        raise MemoryError()
-    for t in range(nk):
-        pairs[t].v = sv[t]
-        pairs[t].t = t
-    keep = dsa_pick(pairs, nk, topk, &out[0])
-    free(pairs)
-    return sel[:keep]
-
-
-cdef int route_row(const float *logit, const float *bias, int E, int K, bint norm, float rs,
-                   int *sel, float *w) noexcept nogil:
-    """Sigmoid router with correction bias (noaux_tc, n_group = 1): select K experts by biased
-    score (ties -> lowest index), weight by the unbiased sigmoid, normalize, scale.
-    Returns -1 on NaN scores."""
-    cdef int k, e, best
-    cdef float bv, sig, tot = 0.0
-    for e in range(E):
-        if isnan(logit[e]):
-            return -1
-    for k in range(K):
-        best = -1
-        bv = -1e30
-        for e in range(E):
-            if 1.0 / (1.0 + expf(-logit[e])) + bias[e] > bv and not _chosen(sel, k, e):
-                bv = 1.0 / (1.0 + expf(-logit[e])) + bias[e]
-                best = e
-        if best < 0:
-            return -1
-        sel[k] = best
-        w[k] = 1.0 / (1.0 + expf(-logit[best]))
-        tot += w[k]
-    for k in range(K):
-        if norm:
-            w[k] = w[k] / (tot + 1e-20)
-        w[k] = w[k] * rs
-    return 0
-
-
-cdef int batch_union(const int *sel, const float *w, int S, int K, int E, int *ucount, int *uniq,
-                     int *ustart, int *urow, float *uw) noexcept nogil:
-    """Group the (row, weight) pairs of a routed batch by expert, experts in ascending id (as HF's
-    index_add loop does). Each row then accumulates its experts in ascending id whatever the other
-    rows of the batch are, so a batched verify computes bit for bit what single-row decode does.
-    Returns the number of unique experts nu; expert uniq[u] serves rows urow[ustart[u]:ustart[u+1]]
-    (ascending) with weights uw[...]. ucount [E] is scratch."""
-    cdef int s, e, u, nu = 0, at = 0, n = S * K
-    for e in range(E):
-        ucount[e] = 0
-    for s in range(n):
-        ucount[sel[s]] += 1
-    for e in range(E):                  # counts -> start offsets; ucount becomes e -> slot u
-        if ucount[e] > 0:
-            uniq[nu] = e
-            ustart[nu] = at
-            at += ucount[e]
-            ucount[e] = nu
-            nu += 1
-    ustart[nu] = at
-    for s in range(n):                  # fill, using ustart as cursors
-        u = ucount[sel[s]]
-        urow[ustart[u]] = s // K
-        uw[ustart[u]] = w[s]
-        ustart[u] += 1
-    for u in range(nu - 1, 0, -1):      # cursors -> starts again
-        ustart[u] = ustart[u - 1]
-    ustart[0] = 0
-    return nu
-
-
-cdef inline bint _chosen(const int *sel, int k, int e) noexcept nogil:
-    cdef int j
-    for j in range(k):
-        if sel[j] == e:
-            return True
-    return False
-
-
-# ---------------------------------------------------------------------------------------------
-# model_init
+# 8. model_init and its loading helpers
 # ---------------------------------------------------------------------------------------------
 
 MTP_REQUIRED = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight",
@@ -4488,7 +4491,7 @@ MTP_REQUIRED = ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.n
 
 def _has_mtp_tensors(st, int n_layers):
     """MTP head present: the layer after the last one has the MTP tensors (any expert count;
-    glm.c's check for expert 255 is a bug, spec §11.33)."""
+    glm.c's check for expert 255 is a bug)."""
     p = f"model.layers.{n_layers}."
     return all(p + name in st for name in MTP_REQUIRED)
 
@@ -4611,7 +4614,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m._direct_fds = {}
     m._expert_layouts = {}
     m._row_files = {}
-    m._io = _IoClock()
+    m._io = IoClock()
     mappable = not direct and _mappable_experts(m)
     m.mapped = mappable and _maps_experts(m)
     # opt-in (COLIBRI_MAP_STREAM=1): the prefill gains, but the experts it leaves mapped in the LRU
@@ -4626,7 +4629,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     m.lookahead = PrefetchPolicy(mode, counters=lambda: cache.stats)   # judged by its reads as well as its time
     m.lookahead_on = True
     m.cache.overshoot = cfg.topk            # within the RAM plan's per-call allowance
-    m._slabs = _SlabPool()
+    m._slabs = SlabPool(_Arena._fresh)
     m.cache.on_evict = m._release_expert
     m.etab = <ExpertRef *>calloc((cfg.n_layers + 1) * cfg.n_experts, sizeof(ExpertRef))
     if m.etab == NULL:
@@ -4820,8 +4823,10 @@ def _map_out(spans):
             madvise(<void *>a, n, MADV_DONTNEED)
 
 
+# -- buffers: transparent huge pages, the arena -----------------------------------------------
+
 _HUGE = 2 << 20      # bytes of a transparent huge page
-# RSS the expert buffers (_SlabPool) may hold beyond their bytes, counted by the RAM plan
+# RSS the expert buffers (cache.SlabPool) may hold beyond their bytes, counted by the RAM plan
 # (tiers.work_bytes_estimate): the huge page being carved, for each expert size (main rows, MTP)
 BUFFER_SLACK_BYTES = 2 * _HUGE
 
@@ -4869,91 +4874,8 @@ class _Arena:
         return a
 
 
-class _SlabPool:
-    """Expert payload buffers of evicted experts, reused by the next loads of the same size. New
-    buffers come CHUNK bytes of one size at a time, advised for transparent huge pages (a token's
-    expert reads then walk one TLB entry per 2 MiB, as the resident matrices' do: 4 experts per
-    layer over the page cache, bench fixture, 1.04x); the pool keeps every buffer it ever handed
-    out, so their number is the most experts of one size held at once (pinned, LRU, kept and in
-    calls: the RAM plan's bound), and the RSS exceeds the bytes handed out by at most the huge page
-    the buffers of one size are being carved from (BUFFER_SLACK_BYTES). An evicted expert is often
-    still in use (a call needing more experts than the LRU holds computes with experts the cache
-    has already let go; a long batch multiplies one group of experts while the next group is read
-    into buffers), so the pool keeps only weak references to an evicted expert and its three
-    matrices (their payloads are views of the buffer) and takes the buffer back once all four are
-    gone: liveness itself, not a reference count (whose value for one object depends on how the
-    code that inspects it was compiled: under Cython a threshold tuned for Python let buffers of
-    experts still being multiplied be read over)."""
-    CHUNK = 64 << 20
-
-    def __init__(self):
-        self._free = {}
-        self._waiting = []              # (weak refs to the expert and its matrices, its buffer)
-        self._lock = threading.Lock()
-        self.reused = 0
-
-    def recycle(self, E):
-        """on_evict hook of the expert cache."""
-        import weakref
-        slab = getattr(E, "slab", None)
-        if slab is None:                # float experts (mapped ones never come here)
-            return
-        refs = tuple(weakref.ref(o) for o in (E, E.gate, E.up, E.down))
-        with self._lock:
-            self._waiting.append((refs, slab))
-
-    def take(self, nbytes):
-        with self._lock:
-            keep = []
-            for refs, slab in self._waiting:
-                if all(r() is None for r in refs):
-                    self._free.setdefault(slab.nbytes, []).append(slab)
-                else:
-                    keep.append((refs, slab))
-            self._waiting = keep
-            lst = self._free.setdefault(nbytes, [])
-            if lst:
-                self.reused += 1
-            else:
-                # k buffers of this size in one advised allocation, each BUFFER_ALIGN-aligned
-                step = -(-nbytes // _st.BUFFER_ALIGN) * _st.BUFFER_ALIGN
-                k = max(1, self.CHUNK // step)
-                chunk = _Arena._fresh(step * k)
-                lst.extend(chunk[i * step:i * step + nbytes] for i in range(k - 1, -1, -1))
-            return lst.pop()
-
-
-class _IoClock:
-    """Wall seconds during which at least one expert read is in flight (reads overlap on the I/O
-    pool and the prefetch thread, so the sum of their durations would overstate the disk time)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.reset()
-
-    def reset(self):
-        with self._lock:
-            self._n, self._t0, self._busy = 0, 0.0, 0.0
-
-    def start(self):
-        with self._lock:
-            if self._n == 0:
-                self._t0 = time.perf_counter()
-            self._n += 1
-
-    def stop(self):
-        with self._lock:
-            self._n -= 1
-            if self._n == 0:
-                self._busy += time.perf_counter() - self._t0
-
-    def busy_s(self):
-        with self._lock:
-            return self._busy + ((time.perf_counter() - self._t0) if self._n else 0.0)
-
-
 # ---------------------------------------------------------------------------------------------
-# n-gram drafts (spec §6.5)
+# 9. Drafts: n-gram prompt lookup, the native MTP chain
 # ---------------------------------------------------------------------------------------------
 
 def ngram_draft(ids, int G):
@@ -4969,8 +4891,95 @@ def ngram_draft(ids, int G):
     return []
 
 
+cdef struct DraftChain:
+    # The MTP head's draft chain (mtp_chain) of one mtp_draft call; filled by Model._chain.
+    TokenStep T                         # the MTP layer as a one-layer forward (T.x = hx)
+    const QTc *embed                    # [V, D]
+    const QTc *eh                       # eh_proj [D, 2D]
+    const QTc *head                     # lm_head [V, D]
+    const float *enorm                  # [D]
+    const float *hnorm                  # [D]
+    const float *fnorm                  # [D] the model's final norm (the first step's hidden)
+    const float *mnorm                  # [D] shared_head.norm
+    const float *h0                     # [D] the main model's residual at position p (hlast)
+    int D, V, p, idot, block
+    float eps
+    float min_p                         # stop after a draft whose top-1 probability is below this
+    float *e                            # [D] embedding row
+    float *cat                          # [2D] eh_proj's input
+    float *hx                           # [D] the MTP residual (in/out of each step)
+    float *hn                           # [D] a normalized row
+    float *logits                       # [G, V] out: each draft's logits
+    int *toks                           # [G] in: toks[-1] is next_tok (toks - 1 valid); out: drafts
+    int *rec_nu                         # [G] out: experts each step used in place (-1: Python did it)
+    int *rec_ids                        # [G, K]
+    int8_t *xq                          # [2·2D] matmul scratch for rows of width <= 2D (see matmul_qt)
+    float *xs                           # [2·nblocks(2D)]
+    float *xr                           # [2D]
+    int32_t *xm                         # [2·nblocks(2D)] (NULL: no block sums)
+    uint8_t *xg                         # [2·coli_split_len(2D) + 64]
+    float top1                          # out: top-1 probability of the last draft (min_p > 0)
+    int stop                            # out: why mtp_chain returned before G: 1 min_p, 2 hand-off
+    int bad                             # out: the step whose router or logits saw NaN, or -1
+
+
+cdef int mtp_chain(DraftChain *C, int g0, bint resume, int G) noexcept nogil:
+    """Draft steps g0 .. G-1 of the native MTP chain (glm.c's mtp_draft) without Python between them:
+    hx = eh_proj · [enorm(embed(tok)) ; hnorm(h)] (h: final_norm(hlast) at step 0, the MTP layer's
+    last output after), the MTP layer on hx at position p + g (layers_step), then the draft
+    argmax(lm_head · shared_head.norm(hx)). resume: step g0's layer is already done (Python
+    finished its MLP). Returns the steps done (their drafts in C.toks); C.stop = 1: the last of
+    them fell below min_p; C.stop = 2: step g's attention half is done and its MLP is Python's
+    (an expert not resident)."""
+    cdef int g, i, D = C.D, V = C.V, best, done
+    cdef float mx, z
+    cdef float *lg
+    for g in range(g0, G):
+        if not (resume and g == g0):
+            memset(C.e, 0, D * sizeof(float))
+            qt_addrow(C.embed, C.toks[g - 1], 1.0, C.e)
+            rmsnorm_row(C.cat, C.e, C.enorm, D, C.eps)
+            if g == 0:
+                rmsnorm_row(C.hn, C.h0, C.fnorm, D, C.eps)
+                rmsnorm_row(C.cat + D, C.hn, C.hnorm, D, C.eps)
+            else:
+                rmsnorm_row(C.cat + D, C.hx, C.hnorm, D, C.eps)
+            matmul_qt(C.eh, C.cat, 1, C.hx, C.xq, C.xs, C.xr, C.block, C.idot, C.xm, C.xg)
+            C.T.pos_base = C.p + g
+            if layers_step(&C.T, 0, &done) < 1:
+                if C.T.bad >= 0:
+                    C.bad = g
+                else:
+                    C.stop = 2
+                return g
+            C.rec_nu[g] = C.T.rec_nu[0]
+            for i in range(C.T.rec_nu[0] if C.T.rec_nu[0] > 0 else 0):
+                C.rec_ids[g * C.T.rec_stride + i] = C.T.rec_ids[i]
+        rmsnorm_row(C.hn, C.hx, C.mnorm, D, C.eps)
+        lg = C.logits + <Py_ssize_t>g * V
+        matmul_qt(C.head, C.hn, 1, lg, C.xq, C.xs, C.xr, C.block, C.idot, C.xm, C.xg)
+        best = 0
+        for i in range(V):
+            if isnan(lg[i]):
+                C.bad = g
+                return g
+            if lg[i] > lg[best]:
+                best = i
+        C.toks[g] = best
+        if C.min_p > 0:
+            mx = lg[best]
+            z = 0.0
+            for i in range(V):
+                z += expf(lg[i] - mx)
+            C.top1 = 1.0 / z
+            if C.top1 < C.min_p:
+                C.stop = 1
+                return g + 1
+    return G
+
+
 # ---------------------------------------------------------------------------------------------
-# Sampling: dist_build / dist_sample / pick_tok (spec §6.2–§6.4)
+# 10. Sampler
 # ---------------------------------------------------------------------------------------------
 
 cdef struct ProbIdx:

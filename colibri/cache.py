@@ -16,7 +16,9 @@ that lives in memory:
    is released (``on_evict``);
 5. below it, implicitly, the OS page cache under the loader, and the disk.
 
-Only the standard library and numpy are used; the engine (``colibri._core``) supplies the loader.
+Only the standard library, numpy and ``colibri.st`` (for ``BUFFER_ALIGN``) are used; the engine
+(``colibri._core``) supplies the loader. ``SlabPool`` (the reuse of evicted experts' buffers) and
+``IoClock`` (the wall time of expert reads) are the engine's bookkeeping around the cache.
 
 Loader contract
 ---------------
@@ -69,7 +71,9 @@ import time
 
 import numpy as np
 
-__all__ = ["ExpertCache", "Fetch", "PREFETCH_QUEUE_MAX"]
+from . import st as _st
+
+__all__ = ["ExpertCache", "Fetch", "IoClock", "PREFETCH_QUEUE_MAX", "SlabPool"]
 
 PREFETCH_QUEUE_MAX = 4096           # pending prefetch entries; the oldest are dropped beyond this
 
@@ -943,3 +947,93 @@ class ExpertCache:
         any): the share of requested experts found in memory, not read."""
         with self._lock:
             return self._hit_rate(self._st)
+
+
+# -- the engine's bookkeeping of its expert buffers and reads ----------------------------------
+
+
+class SlabPool:
+    """Expert payload buffers of evicted experts, reused by the next loads of the same size. New
+    buffers come CHUNK bytes of one size at a time, advised for transparent huge pages (a token's
+    expert reads then walk one TLB entry per 2 MiB, as the resident matrices' do: 4 experts per
+    layer over the page cache, bench fixture, 1.04x); the pool keeps every buffer it ever handed
+    out, so their number is the most experts of one size held at once (pinned, LRU, kept and in
+    calls: the RAM plan's bound), and the RSS exceeds the bytes handed out by at most the huge page
+    the buffers of one size are being carved from (_core.BUFFER_SLACK_BYTES). An evicted expert is often
+    still in use (a call needing more experts than the LRU holds computes with experts the cache
+    has already let go; a long batch multiplies one group of experts while the next group is read
+    into buffers), so the pool keeps only weak references to an evicted expert and its three
+    matrices (their payloads are views of the buffer) and takes the buffer back once all four are
+    gone: liveness itself, not a reference count (whose value for one object depends on how the
+    code that inspects it was compiled: under Cython a threshold tuned for Python let buffers of
+    experts still being multiplied be read over).
+
+    ``fresh(nbytes)``: a new BUFFER_ALIGN-aligned uint8 buffer advised for transparent huge pages
+    (the engine supplies its allocator, ``colibri._core._Arena._fresh``)."""
+    CHUNK = 64 << 20
+
+    def __init__(self, fresh):
+        self._fresh = fresh
+        self._free = {}
+        self._waiting = []              # (weak refs to the expert and its matrices, its buffer)
+        self._lock = threading.Lock()
+        self.reused = 0
+
+    def recycle(self, E):
+        """on_evict hook of the expert cache."""
+        import weakref
+        slab = getattr(E, "slab", None)
+        if slab is None:                # float experts (mapped ones never come here)
+            return
+        refs = tuple(weakref.ref(o) for o in (E, E.gate, E.up, E.down))
+        with self._lock:
+            self._waiting.append((refs, slab))
+
+    def take(self, nbytes):
+        with self._lock:
+            keep = []
+            for refs, slab in self._waiting:
+                if all(r() is None for r in refs):
+                    self._free.setdefault(slab.nbytes, []).append(slab)
+                else:
+                    keep.append((refs, slab))
+            self._waiting = keep
+            lst = self._free.setdefault(nbytes, [])
+            if lst:
+                self.reused += 1
+            else:
+                # k buffers of this size in one advised allocation, each BUFFER_ALIGN-aligned
+                step = -(-nbytes // _st.BUFFER_ALIGN) * _st.BUFFER_ALIGN
+                k = max(1, self.CHUNK // step)
+                chunk = self._fresh(step * k)
+                lst.extend(chunk[i * step:i * step + nbytes] for i in range(k - 1, -1, -1))
+            return lst.pop()
+
+
+class IoClock:
+    """Wall seconds during which at least one expert read is in flight (reads overlap on the I/O
+    pool and the prefetch thread, so the sum of their durations would overstate the disk time)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        with self._lock:
+            self._n, self._t0, self._busy = 0, 0.0, 0.0
+
+    def start(self):
+        with self._lock:
+            if self._n == 0:
+                self._t0 = time.perf_counter()
+            self._n += 1
+
+    def stop(self):
+        with self._lock:
+            self._n -= 1
+            if self._n == 0:
+                self._busy += time.perf_counter() - self._t0
+
+    def busy_s(self):
+        with self._lock:
+            return self._busy + ((time.perf_counter() - self._t0) if self._n else 0.0)
