@@ -76,13 +76,13 @@ MODEL = dict(
     vocab_size=VOCAB,
     hidden_size=256,
     intermediate_size=768,              # the dense layer(s)
-    moe_intermediate_size=256,
-    num_hidden_layers=5,
+    moe_intermediate_size=128,
+    num_hidden_layers=12,
     first_k_dense_replace=1,
     num_attention_heads=4,
     num_key_value_heads=4,
-    n_routed_experts=16,
-    num_experts_per_tok=2,
+    n_routed_experts=32,
+    num_experts_per_tok=4,
     n_shared_experts=1,
     q_lora_rank=128,
     kv_lora_rank=64,
@@ -119,7 +119,8 @@ TRAIN = dict(
     balance_alpha=1e-3,                 # small batch-wise expert balance loss
     log_every=25,
     eval_every=220,
-    max_minutes=55,                     # safety stop of the training loop (wall clock)
+    max_minutes=150,                    # safety stop of the training loop (wall clock)
+    stdlib_share=0.4,                   # share of training windows drawn from the stdlib
     save_every=40,                      # training state for --resume (next to --out)
     eval_windows=24,                    # held-out windows for the in-training evaluation
 )
@@ -137,6 +138,43 @@ def log(*a):
 # Corpus and split
 # ----------------------------------------------------------------------------------------------
 
+# Permissively licensed pure-Python distributions (py3-none-any wheels from PyPI), pinned:
+# (distribution, version, license as its metadata states it). Their .py files join the stdlib's.
+# Backports of stdlib modules (typing_extensions, tomli, importlib_metadata, zipp, mock, ...) are
+# left out on purpose: they would put held-out stdlib code into the training split.
+PACKAGES = (
+    ("alembic", "1.20.1", "MIT"), ("anyio", "4.16.0", "MIT"), ("attrs", "26.1.0", "MIT"),
+    ("beautifulsoup4", "4.15.0", "MIT"), ("boltons", "26.2.0", "BSD-3-Clause"),
+    ("bottle", "0.13.4", "MIT"), ("cachetools", "8.0.2", "MIT"), ("celery", "5.7.0", "BSD-3-Clause"),
+    ("click", "8.5.1", "BSD-3-Clause"), ("dask", "2026.8.0", "BSD-3-Clause"),
+    ("Django", "5.2.19", "BSD-3-Clause"), ("fabric", "3.2.3", "BSD-2-Clause"), ("fastapi", "0.165.0", "MIT"),
+    ("Flask", "3.1.3", "BSD-3-Clause"), ("fsspec", "2026.9.0", "BSD-3-Clause"), ("gunicorn", "27.0.1", "MIT"),
+    ("h11", "0.16.0", "MIT"), ("html5lib", "1.1", "MIT"), ("httpcore", "1.0.9", "BSD-3-Clause"),
+    ("httpx", "0.29.0", "BSD-3-Clause"), ("idna", "3.20", "BSD-3-Clause"), ("iniconfig", "2.3.1", "MIT"),
+    ("invoke", "3.0.3", "BSD-2-Clause"), ("ipython", "9.18.1", "BSD-3-Clause"), ("isort", "9.0.2", "MIT"),
+    ("itsdangerous", "2.2.0", "BSD-3-Clause"), ("jedi", "0.20.1", "MIT"), ("Jinja2", "3.1.6", "BSD-3-Clause"),
+    ("jsonschema", "4.26.0", "MIT"), ("kombu", "5.7.0", "BSD-3-Clause"), ("Mako", "1.4.3", "MIT"),
+    ("Markdown", "3.11.3", "BSD-3-Clause"), ("marshmallow", "4.4.0", "MIT"), ("mistune", "3.4.0", "BSD-3-Clause"),
+    ("more-itertools", "11.2.1", "MIT"), ("mpmath", "1.4.1", "BSD-3-Clause"), ("networkx", "3.6.1", "BSD-3-Clause"),
+    ("nltk", "3.10.4", "Apache-2.0"), ("oauthlib", "4.0.1", "BSD-3-Clause"), ("openpyxl", "3.1.5", "MIT"),
+    ("packaging", "26.4", "Apache-2.0 OR BSD-2-Clause"), ("parso", "0.8.7", "MIT"), ("pip", "26.3", "MIT"),
+    ("pluggy", "1.7.0", "MIT"), ("prompt_toolkit", "3.0.53", "BSD-3-Clause"), ("pyasn1", "0.6.5", "BSD-2-Clause"),
+    ("pycodestyle", "2.15.0", "MIT"), ("pyflakes", "4.1.0", "MIT"), ("pyglet", "2.1.19", "BSD-3-Clause"),
+    ("Pygments", "2.21.0", "BSD-2-Clause"), ("pyparsing", "3.3.3", "MIT"), ("pytest", "9.2.0", "MIT"),
+    ("python-dateutil", "4.0.0", "BSD-3-Clause"), ("requests", "2.34.2", "Apache-2.0"), ("rich", "15.0.0", "MIT"),
+    ("rsa", "4.9.1", "Apache-2.0"), ("Scrapy", "2.19.0", "BSD-3-Clause"), ("setuptools", "84.2.1", "MIT"),
+    ("six", "1.17.0", "MIT"), ("sniffio", "1.3.1", "MIT OR Apache-2.0"), ("soupsieve", "2.10", "MIT"),
+    ("Sphinx", "9.0.4", "BSD-2-Clause"), ("sqlparse", "0.6.1", "BSD-3-Clause"), ("starlette", "1.10.0", "BSD-3-Clause"),
+    ("sympy", "1.14.0", "BSD-3-Clause"), ("tabulate", "0.10.0", "MIT"), ("textual", "8.2.8", "MIT"),
+    ("toolz", "1.2.0", "BSD-3-Clause"), ("traitlets", "5.16.1", "BSD-3-Clause"), ("Twisted", "26.10.0", "MIT"),
+    ("typer", "0.29.2", "MIT"), ("urllib3", "2.8.0", "MIT"), ("Werkzeug", "3.1.9", "BSD-3-Clause"),
+    ("wheel", "0.48.0", "MIT"),
+)
+DEFAULT_WHEELS = os.path.join(os.path.expanduser("~"), ".cache", "colibri-corpus", "wheels")
+MAX_FILE_BYTES = 1 << 20                # larger .py files are generated tables, not code
+NEAR_DUP_SHARE = 0.3                    # a training file holding this share of a held-out file's lines is dropped
+
+
 def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
@@ -144,6 +182,10 @@ def stdlib_root() -> str:
 def is_heldout(rel: str) -> bool:
     h = int(hashlib.sha256(rel.encode("utf-8")).hexdigest()[:8], 16)
     return h % 100 < HELDOUT_PERCENT
+
+
+def _skipped(rel: str) -> bool:
+    return any(part in SKIP_DIRS for part in rel.split("/")[:-1])
 
 
 def corpus_files():
@@ -163,15 +205,107 @@ def corpus_files():
 def read_source(path: str) -> str:
     with open(path, "rb") as f:
         raw = f.read()
+    return _decode(raw)
+
+
+def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
 
 
+def wheel_path(wheels: str, dist: str, version: str) -> str:
+    import glob
+    norm = re.sub(r"[-_.]+", "_", dist).lower()
+    for p in sorted(glob.glob(os.path.join(wheels, "*.whl"))):
+        name, ver = os.path.basename(p).split("-")[:2]
+        if re.sub(r"[-_.]+", "_", name).lower() == norm and ver == version:
+            return p
+    return ""
+
+
+def fetch_packages(wheels: str):
+    """pip download of every pinned wheel missing from WHEELS (no dependencies: the list is the corpus)."""
+    os.makedirs(wheels, exist_ok=True)
+    missing = [f"{d}=={v}" for d, v, _ in PACKAGES if not wheel_path(wheels, d, v)]
+    if missing:
+        log(f"corpus: downloading {len(missing)} wheels into {wheels}")
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", "3.11", "--platform", "any", "--implementation", "py",
+                        "-d", wheels, *missing], check=True)
+    return {d: wheel_path(wheels, d, v) for d, v, _ in PACKAGES}
+
+
+def package_docs(wheels: str):
+    """(relative path 'dist/member', text) of the .py members of every pinned wheel, test dirs skipped."""
+    import zipfile
+    out = []
+    for dist, path in fetch_packages(wheels).items():
+        with zipfile.ZipFile(path) as z:
+            for info in sorted(z.infolist(), key=lambda i: i.filename):
+                name = info.filename
+                if (name.endswith(".py") and ".dist-info/" not in name and not _skipped(name)
+                        and info.file_size <= MAX_FILE_BYTES):
+                    out.append((f"{dist}/{name}", _decode(z.read(info))))
+    return out
+
+
+def _lines(text: str):
+    return {ln.strip() for ln in text.split("\n") if len(ln.strip()) >= 24}
+
+
+def drop_duplicates(train, held):
+    """Training documents without exact copies of an earlier document and without near copies of a
+    held-out one: a training file holding NEAR_DUP_SHARE of a held-out file's rare lines (lines in at
+    most 3 documents: licence headers and boilerplate do not count), as vendored or backported
+    stdlib modules do. Returns (kept, number dropped)."""
+    df = {}
+    line_sets = [_lines(t) for _, t in held] + [_lines(t) for _, t in train]
+    for ls in line_sets:
+        for ln in ls:
+            df[ln] = df.get(ln, 0) + 1
+    owners, sizes = {}, []                          # rare held-out line -> held-out file indices
+    for j in range(len(held)):
+        rare = [ln for ln in line_sets[j] if df[ln] <= 3]
+        sizes.append(len(rare))
+        for ln in rare:
+            owners.setdefault(ln, []).append(j)
+    seen = {hashlib.sha256(t.encode()).digest() for _, t in held}
+    kept, dropped = [], 0
+    for (rel, t), ls in zip(train, line_sets[len(held):]):
+        h = hashlib.sha256(t.encode()).digest()
+        hits = {}
+        for ln in ls:
+            for j in owners.get(ln, ()):
+                hits[j] = hits.get(j, 0) + 1
+        if h in seen or any(sizes[j] >= 8 and c >= NEAR_DUP_SHARE * sizes[j] for j, c in hits.items()):
+            dropped += 1
+            continue
+        seen.add(h)
+        kept.append((rel, t))
+    return kept, dropped
+
+
 def load_corpus():
+    """The stdlib's (training, held-out) documents; the held-out ones are the model card's benchmark."""
     files = corpus_files()
     train, held = [], []
     for rel, p in files:
         (held if is_heldout(rel) else train).append((rel, read_source(p)))
     return train, held
+
+
+def load_full_corpus(wheels: str):
+    """{'std_train', 'std_held', 'pkg_train', 'pkg_held'}: lists of (relative path, text), split by
+    file with is_heldout(relative path), training files deduplicated against everything held out."""
+    std_train, std_held = load_corpus()
+    pkg = package_docs(wheels)
+    pkg_train = [d for d in pkg if not is_heldout(d[0])]
+    pkg_held = [d for d in pkg if is_heldout(d[0])]
+    held = std_held + pkg_held
+    std_train, d1 = drop_duplicates(std_train, held)
+    pkg_train, d2 = drop_duplicates(std_train + pkg_train, held)
+    pkg_train = pkg_train[len(std_train):]
+    return {"std_train": std_train, "std_held": std_held, "pkg_train": pkg_train, "pkg_held": pkg_held,
+            "dropped": d1 + d2}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,6 +346,50 @@ def token_stream(tok, docs) -> np.ndarray:
         parts.append(np.asarray(enc.ids, dtype=np.uint16))
         parts.append(np.asarray([eos], dtype=np.uint16))
     return np.concatenate(parts)
+
+
+STREAMS = ("std_train", "pkg_train", "std_held", "pkg_held")
+
+
+def prepare_data(out: str, wheels: str):
+    """(tokenizer, {stream name: uint16 token stream}, corpus manifest), built once and kept in
+    OUT.data/ (tokenizer.json, one .npy per stream, corpus.json) so a resumed run reads the very
+    same tokens."""
+    from tokenizers import Tokenizer
+    d = out.rstrip("/") + ".data"
+    man_path = os.path.join(d, "corpus.json")
+    if os.path.exists(man_path):
+        with open(man_path) as f:
+            man = json.load(f)
+        tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+        streams = {k: np.load(os.path.join(d, k + ".npy")) for k in STREAMS}
+        log(f"corpus: {d} (prepared earlier)")
+        return tok, streams, man
+    t0 = time.time()
+    c = load_full_corpus(wheels)
+    train_docs = c["std_train"] + c["pkg_train"]
+    tok = train_tokenizer([t for _, t in train_docs])
+    streams = {k: token_stream(tok, c[k]) for k in STREAMS}
+    man = {
+        "stdlib": stdlib_root(),
+        "packages": [{"name": n, "version": v, "license": l} for n, v, l in PACKAGES],
+        "heldout_rule": f"int(sha256(relative path)[:8 hex], 16) % 100 < {HELDOUT_PERCENT}",
+        "skip_dirs": sorted(SKIP_DIRS),
+        "max_file_bytes": MAX_FILE_BYTES,
+        "dropped_duplicates": c["dropped"],
+        "heldout_files": [r for r, _ in c["std_held"]],
+        "files": {k: len(c[k]) for k in STREAMS},
+        "megabytes": {k: round(sum(len(t) for _, t in c[k]) / 1e6, 2) for k in STREAMS},
+        "tokens": {k: int(len(v)) for k, v in streams.items()},
+        "prepare_seconds": 0.0,
+    }
+    man["prepare_seconds"] = round(time.time() - t0, 1)
+    os.makedirs(d, exist_ok=True)
+    tok.save(os.path.join(d, "tokenizer.json"))
+    for k, v in streams.items():
+        np.save(os.path.join(d, k + ".npy"), v)
+    write_json(man_path, man)
+    return tok, streams, man
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,17 +538,17 @@ def _fast_moe(mlp, x, mon):
     order = torch.argsort(flat, stable=True)
     tok = order // K
     counts = torch.bincount(flat, minlength=E).tolist()
-    xin = xs[tok]
-    outs, s0 = [], 0
+    # split (not slicing): its backward is one concatenation, where each slice's backward would
+    # zero-fill and add a full [N*K, D] buffer per expert.
+    segs = xs[tok].split(counts)
+    outs = []
     I = ex.intermediate_dim
     gate_up, down = ex.gate_up_proj.unbind(0), ex.down_proj.unbind(0)   # one gradient buffer each
     for e, c in enumerate(counts):
         if c == 0:
             continue
-        seg = xin[s0:s0 + c]
-        gu = F.linear(seg, gate_up[e])
+        gu = F.linear(segs[e], gate_up[e])
         outs.append(F.linear(F.silu(gu[:, :I]) * gu[:, I:], down[e]))
-        s0 += c
     y = torch.cat(outs).float() * w.reshape(-1)[order, None]
     out = torch.zeros(xs.shape[0], D, dtype=y.dtype).index_add(0, tok, y)
     return out.view(B, S, D) + mlp.shared_experts(x)
@@ -654,24 +832,20 @@ def cmd_train(args):
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 
     tr = dict(TRAIN)
-    for k in ("steps", "batch", "seq_len", "lr"):
+    for k in ("steps", "batch", "seq_len", "lr", "max_minutes"):
         if getattr(args, k) is not None:
             tr[k] = getattr(args, k)
     t_all = time.time()
 
-    # 1. corpus
-    train_docs, held_docs = load_corpus()
-    log(f"corpus: {stdlib_root()}: {len(train_docs) + len(held_docs)} files; train {len(train_docs)} files "
-        f"({sum(len(t) for _, t in train_docs) / 1e6:.2f} MB), held-out {len(held_docs)} files "
-        f"({sum(len(t) for _, t in held_docs) / 1e6:.2f} MB)")
-
-    # 2. tokenizer (trained on the training files only)
-    t0 = time.time()
-    tok = train_tokenizer([t for _, t in train_docs])
-    train_ids = token_stream(tok, train_docs)
-    held_ids = token_stream(tok, held_docs)
-    log(f"tokenizer: BPE vocab {tok.get_vocab_size()} in {time.time() - t0:.1f}s; train {len(train_ids)} tokens "
-        f"({sum(len(t) for _, t in train_docs) / len(train_ids):.2f} chars/token), held-out {len(held_ids)} tokens")
+    # 1. corpus and tokenizer (trained on the training files only)
+    tok, streams, man = prepare_data(args.out, args.wheels)
+    train_std, train_pkg, held_ids = streams["std_train"], streams["pkg_train"], streams["std_held"]
+    n_train = len(train_std) + len(train_pkg)
+    log(f"corpus: stdlib {man['files']['std_train']} + packages {man['files']['pkg_train']} training files "
+        f"({man['megabytes']['std_train'] + man['megabytes']['pkg_train']:.1f} MB, {n_train / 1e6:.2f}M tokens), "
+        f"held-out stdlib {man['files']['std_held']} files ({len(held_ids)} tokens), "
+        f"packages {man['files']['pkg_held']} files ({len(streams['pkg_held'])} tokens); "
+        f"{man['dropped_duplicates']} duplicates dropped")
 
     # 3. model
     torch.manual_seed(SEED)
@@ -700,7 +874,7 @@ def cmd_train(args):
     d0 = check_fast_path(lm, head, probe)
     log(f"training forward vs HF modules (f32, 2 held-out windows, at init): max |dloss| {d0:.2e}")
     assert d0 < 1e-3, d0
-    n_start = len(train_ids) - T - 1
+    share = tr["stdlib_share"]             # windows drawn from the stdlib stream, the rest from packages
     eval_stream = held_ids
     curve = []
     t_train = time.time()
@@ -731,8 +905,9 @@ def cmd_train(args):
             stopped_early = step
             log(f"WARNING: wall-clock cap of {tr['max_minutes']} min reached at step {step}; stopping")
             break
-        starts = rng.integers(0, n_start, size=B)
-        x = torch.from_numpy(np.stack([train_ids[s:s + T + 1] for s in starts]).astype(np.int64))
+        src = [train_std if u < share else train_pkg for u in rng.random(B)]
+        starts = [int(rng.integers(0, len(a) - T - 1)) for a in src]
+        x = torch.from_numpy(np.stack([a[s:s + T + 1] for a, s in zip(src, starts)]).astype(np.int64))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tr)
         mon.reset()
@@ -763,7 +938,7 @@ def cmd_train(args):
     train_s = time.time() - t_train
     if stopped_early is not None:
         steps = stopped_early
-    log(f"trained {steps} steps ({tok_seen / 1e6:.2f}M tokens, {tok_seen / len(train_ids):.2f} epochs) "
+    log(f"trained {steps} steps ({tok_seen / 1e6:.2f}M tokens, {tok_seen / n_train:.2f} epochs) "
         f"in {train_s / 60:.1f} min")
     lm.eval(); head.eval()
     d1 = check_fast_path(lm, head, probe)
@@ -778,12 +953,10 @@ def cmd_train(args):
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "python": sys.version.split()[0],
-        "stdlib": stdlib_root(),
-        "heldout_rule": f"int(sha256(relative path)[:8 hex], 16) % 100 < {HELDOUT_PERCENT}",
-        "skip_dirs": sorted(SKIP_DIRS),
-        "train_files": len(train_docs),
-        "heldout_files": [r for r, _ in held_docs],
-        "train_tokens": int(len(train_ids)),
+        "corpus": man,
+        "train_files": man["files"]["std_train"] + man["files"]["pkg_train"],
+        "heldout_files": man["heldout_files"],
+        "train_tokens": int(n_train),
         "heldout_tokens": int(len(held_ids)),
         "train": {k: v for k, v in tr.items()},
         "params_main": n_main,
@@ -1102,36 +1275,58 @@ def run_stats(model, prompt, draft, n=64, temperature=0, seed=None, threads=0):
     return st
 
 
+def distinct_ngrams(ids, n=4) -> float:
+    """Distinct n-grams over all n-grams of a token sequence (1.0: no n-gram repeats; loops -> 0)."""
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+SAMPLED_T = 0.7
+
+
 def eval_mtp(args, res):
-    """Acceptance and tokens per forward for --draft 1..4, greedy, on held-out prompts, with the
-    shipped int8 head and an int4 head (same container otherwise, converted into /tmp)."""
-    man = json.load(open(os.path.join(args.model, "colibri_convert.json")))
-    b = man["bits"]["expert"]
-    mtp4 = "/tmp/colibri_tiny_mtp4"
-    convert_container(args.src, mtp4, b, mtp_bits=4)
+    """On the held-out prompts, --tokens each, the shipped container: greedy --draft 0 (its distinct
+    4-gram ratio per prompt: does greedy decoding loop?), then --draft 1..4 greedy (acceptance,
+    tokens per forward, acceptance by draft position, output = --draft 0's) and sampled at
+    SAMPLED_T with a fixed seed per prompt (acceptance of the exact rejection-sampling test)."""
     prompts = heldout_prompts(args.prompts)
-    out = {"prompts": [p for _, p in prompts], "n": args.tokens, "heads": {}}
-    for name, model in (("int8", args.model), ("int4", mtp4)):
-        base = [run_stats(model, p, 0, args.tokens) for _, p in prompts]
+    out = {"prompts": [p for _, p in prompts], "files": [f for f, _ in prompts], "n": args.tokens,
+           "temperature_sampled": SAMPLED_T, "modes": {}}
+    for mode, temp in (("greedy", 0), ("sampled", SAMPLED_T)):
+        seeds = [1000 + i for i in range(len(prompts))]
+        base = [run_stats(args.model, p, 0, args.tokens, temperature=temp, seed=sd) for (_, p), sd in zip(prompts, seeds)]
         rows = {}
+        if mode == "greedy":
+            out["distinct4"] = [{"prompt": p, "tokens": len(st["tokens"]), "distinct4": round(distinct_ngrams(st["tokens"]), 3),
+                                 "text": st["text"]} for (_, p), st in zip(prompts, base)]
+            d4 = [r["distinct4"] for r in out["distinct4"]]
+            log(f"greedy, {len(prompts)} prompts x {args.tokens} tokens: distinct 4-grams min {min(d4):.3f}, "
+                f"mean {np.mean(d4):.3f}: {d4}")
         for depth in (1, 2, 3, 4):
-            st = [run_stats(model, p, depth, args.tokens) for _, p in prompts]
+            st = [run_stats(args.model, p, depth, args.tokens, temperature=temp, seed=sd)
+                  for (_, p), sd in zip(prompts, seeds)]
             prop = sum(s["drafts_proposed"] for s in st)
             acc = sum(s["drafts_accepted"] for s in st)
             toks = sum(s["decode_tokens"] for s in st)
             fwd = sum(s["decode_forwards"] for s in st)
-            same = all(s["tokens"] == b0["tokens"] for s, b0 in zip(st, base))
+            ver = np.zeros(depth)
+            hit = np.zeros(depth)
+            for s in st:
+                v = s.get("drafts_verified_by_position", [])
+                a = s.get("acceptance_by_position", [])
+                ver[:len(v)] += v
+                hit[:len(v)] += np.asarray(a) * np.asarray(v)
             rows[depth] = {"proposed": prop, "accepted": acc, "acceptance": acc / max(prop, 1),
-                           "tokens_per_forward": toks / max(fwd, 1), "lossless": same,
-                           "decode_tok_s": toks / sum(s["decode_s"] for s in st),
-                           "per_prompt_acceptance": [round(s["drafts_accepted"] / max(s["drafts_proposed"], 1), 3)
-                                                     for s in st]}
-            log(f"MTP head {name}, --draft {depth}: acceptance {100 * rows[depth]['acceptance']:.1f}% "
-                f"({acc}/{prop}), {rows[depth]['tokens_per_forward']:.2f} tokens/forward, "
-                f"{rows[depth]['decode_tok_s']:.0f} tok/s, same output as --draft 0: {same}")
-        out.setdefault("draft0_decode_tok_s", {})[name] = (sum(s["decode_tokens"] for s in base)
-                                                           / sum(s["decode_s"] for s in base))
-        out["heads"][name] = rows
+                           "tokens_per_forward": toks / max(fwd, 1),
+                           "acceptance_by_position": [round(float(h / v), 3) if v else None for h, v in zip(hit, ver)],
+                           "lossless": (all(s["tokens"] == b0["tokens"] for s, b0 in zip(st, base))
+                                        if mode == "greedy" else None),
+                           "decode_tok_s": toks / sum(s["decode_s"] for s in st)}
+            log(f"{mode}, --draft {depth}: acceptance {100 * rows[depth]['acceptance']:.1f}% ({acc}/{prop}), by "
+                f"position {rows[depth]['acceptance_by_position']}, {rows[depth]['tokens_per_forward']:.2f} "
+                f"tokens/forward" + (f", same output as --draft 0: {rows[depth]['lossless']}" if mode == "greedy" else ""))
+        out["modes"][mode] = {"depths": rows, "draft0_decode_tok_s": sum(s["decode_tokens"] for s in base)
+                              / sum(s["decode_s"] for s in base)}
     res["mtp"] = out
 
 
@@ -1175,14 +1370,15 @@ def eval_parity(args, res):
     res["parity"] = out
 
 
+SAMPLE_TOKENS = 64
 SAMPLE_PROMPTS = ["def fibonacci(n):", "class Stack:", "def read_config(path):", "import os\nimport sys\n\n\ndef main("]
 
 
 def eval_samples(args, res):
     out = []
     for p in SAMPLE_PROMPTS:
-        g = run_stats(args.model, p, 0, args.tokens)["text"]
-        t = run_stats(args.model, p, 0, args.tokens, temperature=0.7, seed=1)["text"]
+        g = run_stats(args.model, p, 0, SAMPLE_TOKENS)["text"]
+        t = run_stats(args.model, p, 0, SAMPLE_TOKENS, temperature=0.7, seed=1)["text"]
         out.append({"prompt": p, "greedy": g, "t0.7_seed1": t})
         log(f"--- {p!r}\n[greedy]\n{p}{g}\n[temperature 0.7, seed 1]\n{p}{t}")
     res["samples"] = out
@@ -1232,10 +1428,11 @@ def render_card(meta, res, cfg, manifest, model_bytes) -> str:
     ppl = lambda x: f"{x:.4f} (perplexity {math.exp(x):.1f})"
     L.append("# colibri default model\n")
     L.append("A small but real `glm_moe_dsa` (GLM-5 architecture) mixture-of-experts language model with a "
-             "native MTP head, trained from scratch on the Python standard library by `tools/train_tiny.py`. "
-             "`python -m colibri run` uses it when no `--model` is given. It completes Python code; it knows "
-             "nothing else. It exists so that the engine can be tried from one command and so that MTP "
-             "speculative decoding can be measured on a head that was actually trained.\n")
+             "native MTP head, trained from scratch on Python code (the standard library and permissively "
+             "licensed packages from PyPI) by `tools/train_tiny.py`. `python -m colibri run` uses it when no "
+             "`--model` is given. It completes Python code; it knows nothing else. It exists so that the engine "
+             "can be tried from one command and so that MTP speculative decoding can be measured on a head "
+             "that was actually trained.\n")
     L.append("## Architecture\n")
     L.append(_md_table(["", ""], [
         ["layers", f"{cfg['num_hidden_layers']} ({cfg['first_k_dense_replace']} dense, "
@@ -1259,10 +1456,20 @@ def render_card(meta, res, cfg, manifest, model_bytes) -> str:
              "`no_grad`); the context equals `index_topk`, so its selection never drops a key.\n")
     tr = meta["train"]
     L.append("## Training\n")
+    cm = meta["corpus"]
+    f, mb, tk = cm["files"], cm["megabytes"], cm["tokens"]
     L.append(f"- Corpus: the `.py` files of the Python {meta['python']} standard library (tests, idlelib and "
-             f"site-packages left out): {meta['train_files']} training files ({meta['train_tokens'] / 1e6:.2f} M "
-             f"tokens) and {len(meta['heldout_files'])} held-out files ({meta['heldout_tokens'] / 1e3:.0f} k tokens), "
-             f"split by `{meta['heldout_rule']}`.")
+             f"site-packages left out) and of the {len(cm['packages'])} PyPI distributions listed below (their "
+             f"wheels' `.py` files, test folders and files over {cm['max_file_bytes'] >> 20} MB left out), split "
+             f"by file with `{cm['heldout_rule']}`. Training: {f['std_train']} stdlib files "
+             f"({tk['std_train'] / 1e6:.2f} M tokens) and {f['pkg_train']} package files "
+             f"({tk['pkg_train'] / 1e6:.2f} M tokens), **{meta['train_tokens'] / 1e6:.1f} M tokens**; "
+             f"{cm['dropped_duplicates']} training files dropped as exact copies or near copies of a held-out "
+             f"file (vendored or backported modules). Held out: {f['std_held']} stdlib files "
+             f"({tk['std_held'] / 1e3:.0f} k tokens, the benchmark below: the same files as the first "
+             f"edition's) and {f['pkg_held']} package files ({tk['pkg_held'] / 1e6:.2f} M tokens).")
+    L.append(f"- Mixture: each training window comes from the stdlib with probability {tr['stdlib_share']}, "
+             "otherwise from the packages.")
     L.append(f"- Tokenizer: byte-level BPE, {cfg['vocab_size']} tokens, trained with `tokenizers` on the training "
              "files; `<|endoftext|>` separates files.")
     L.append(f"- Objective: next token + {tr['mtp_lambda']} × next-next token through the MTP layer (DeepSeek-V3 / "
@@ -1272,11 +1479,14 @@ def render_card(meta, res, cfg, manifest, model_bytes) -> str:
              f"tokens), AdamW lr {tr['lr']} cosine to {tr['min_lr_frac']}×, seed {meta['seed']}, f32, torch "
              f"{meta['torch']}, transformers {meta['transformers']}, {meta['threads']} CPU threads: "
              f"**{meta['train_seconds'] / 60:.1f} min** of training.")
-    L.append(f"- Held-out loss (all {meta['heldout_windows']} windows of {tr['seq_len']}): main "
+    L.append(f"- Held-out stdlib loss (all {meta['heldout_windows']} windows of {tr['seq_len']}, f32): main "
              f"**{ppl(meta['heldout_loss'])}**, MTP (t+2) {ppl(meta['heldout_mtp_loss'])}.\n")
     pts = [c for c in meta["curve"] if c["step"] % 100 == 0 or c is meta["curve"][-1]]
     L.append(_md_table(["step", "train loss", "MTP loss", "minutes"],
                        [[c["step"], c["loss"], c["mtp_loss"], f"{c['elapsed_s'] / 60:.1f}"] for c in pts]))
+    L.append("\nThe packages (name, version, license as their metadata states it):\n")
+    L.append(_md_table(["package", "version", "license"],
+                       [[x["name"], x["version"], x["license"]] for x in cm["packages"]]))
     q = res.get("quant")
     if q:
         L.append("\n## Quantization\n")
@@ -1304,24 +1514,28 @@ def render_card(meta, res, cfg, manifest, model_bytes) -> str:
                              f"{r['max_abs_logit_diff']:.2g}"] for n, r in par.items()]))
     m = res.get("mtp")
     if m:
+        L.append("\n## Greedy decoding without loops\n")
+        L.append(f"Greedy, {len(m['prompts'])} held-out prompts (the first top-level `def` line of held-out stdlib "
+                 f"files), {m['n']} tokens each: distinct 4-grams over all 4-grams of the generated tokens "
+                 "(1.0: no 4-gram repeats; a loop drives it towards 0).\n")
+        L.append(_md_table(["prompt", "tokens", "distinct 4-grams"],
+                           [[f"`{r['prompt']}`", r["tokens"], f"{r['distinct4']:.3f}"] for r in m["distinct4"]]))
+        d4 = [r["distinct4"] for r in m["distinct4"]]
+        L.append(f"\nMinimum {min(d4):.3f}, mean {np.mean(d4):.3f}.")
         L.append("\n## MTP speculative decoding\n")
-        L.append(f"Greedy, {len(m['prompts'])} held-out prompts (first `def` line of held-out files), {m['n']} "
-                 "tokens each; the int4 head is the same container with the MTP layer converted at int4. Every "
-                 "run's output equals `--draft 0`'s.\n")
+        L.append(f"The same prompts, {m['n']} tokens each, the shipped container (int8 MTP head): greedy, and "
+                 f"sampled at temperature {m['temperature_sampled']} with a fixed seed per prompt (acceptance is "
+                 "then the exact rejection-sampling test's). Acceptance by position: of the iterations that "
+                 "verified an i-th draft, the share that accepted it.\n")
         rows = []
-        for head in ("int8", "int4"):
-            for d, r in sorted(m["heads"][head].items(), key=lambda kv: int(kv[0])):
-                rows.append([head, d, f"{100 * r['acceptance']:.1f}% ({r['accepted']}/{r['proposed']})",
-                             f"{r['tokens_per_forward']:.2f}", f"{r.get('decode_tok_s', 0):.0f}",
-                             "yes" if r["lossless"] else "**NO**"])
-        L.append(_md_table(["head", "--draft", "acceptance", "tokens / forward", "decode tok/s", "= --draft 0"], rows))
-        if m.get("draft0_decode_tok_s"):
-            L.append(f"\n`--draft 0` on the same prompts: {m['draft0_decode_tok_s']['int8']:.0f} tok/s. The tok/s "
-                     "column comes from runs made one configuration after another and is indicative only; the "
-                     "side-by-side comparison is in the next section.")
-        L.append("\nOn this model the int4 head drafts as well as the int8 one (colibrì measured 0–4% acceptance "
-                 "for an int4 head on GLM-5.2); the shipped head is "
-                 "int8 all the same, as the converter writes every MTP layer.")
+        for mode in ("greedy", "sampled"):
+            for d, r in sorted(m["modes"][mode]["depths"].items(), key=lambda kv: int(kv[0])):
+                pos = " / ".join("–" if a is None else f"{100 * a:.0f}%" for a in r["acceptance_by_position"])
+                same = "–" if r["lossless"] is None else ("yes" if r["lossless"] else "**NO**")
+                rows.append([mode, d, f"{100 * r['acceptance']:.1f}% ({r['accepted']}/{r['proposed']})", pos,
+                             f"{r['tokens_per_forward']:.2f}", same])
+        L.append(_md_table(["decoding", "--draft", "acceptance", "by position", "tokens / forward",
+                            "= --draft 0"], rows))
     sp = res.get("speed")
     if sp:
         L.append("\n## Decode speed, `--draft auto` vs `--draft 0`\n")
@@ -1329,15 +1543,13 @@ def render_card(meta, res, cfg, manifest, model_bytes) -> str:
                  f"({sp['nproc']} CPUs): `--draft 0` **{sp['decode_tok_s_draft0']:.0f} tok/s**, `--draft auto` "
                  f"**{sp['decode_tok_s_auto']:.0f} tok/s** (median per-prompt ratio {sp['median_ratio']:.2f}); "
                  f"outputs identical: {'yes' if sp['all_same_output'] else 'NO'}.")
-        L.append("\nThis model is 14 MB with every expert in RAM, so a token costs well under a millisecond: a "
-                 "verify of 1 + d rows routes to up to twice the experts and the head's own pass costs about a "
-                 "layer, which is more than the accepted drafts save. The auto policy measures that and, after "
-                 f"its probes, stays at depth 0 in {sum(r['auto_tokens_per_forward'] < 1.2 for r in sp['runs'])} of "
-                 f"{len(sp['runs'])} runs; the gap is the price of the probes (a run is ~50 ms, so the per-prompt "
-                 f"ratios spread from {min(r['tok_s_auto'] / r['tok_s_draft0'] for r in sp['runs']):.2f} to "
-                 f"{max(r['tok_s_auto'] / r['tok_s_draft0'] for r in sp['runs']):.2f}). Speculation "
-                 "pays where a token costs disk reads (GLM-5.2 streaming its experts), which is what it is "
-                 "for.")
+        L.append(f"\nThis model is {model_bytes / 1e6:.0f} MB with every expert in RAM, so a token costs a few "
+                 "milliseconds of multiply-adds and no disk reads: a verify of 1 + d rows routes to more experts "
+                 "and the head's own pass costs about a layer, which the accepted drafts must pay for. The auto "
+                 f"policy measures that; per-prompt ratios spread from "
+                 f"{min(r['tok_s_auto'] / r['tok_s_draft0'] for r in sp['runs']):.2f} to "
+                 f"{max(r['tok_s_auto'] / r['tok_s_draft0'] for r in sp['runs']):.2f}. Speculation pays most "
+                 "where a token costs disk reads (GLM-5.2 streaming its experts).")
     sm = res.get("samples")
     if sm:
         L.append("\n## Samples\n")
@@ -1347,11 +1559,15 @@ def render_card(meta, res, cfg, manifest, model_bytes) -> str:
             L.append(f"**{x['prompt']!r}**, greedy:\n\n{_fence(x['prompt'] + x['greedy'])}\n")
             L.append(f"temperature 0.7:\n\n{_fence(x['prompt'] + x['t0.7_seed1'])}\n")
     L.append("## Rebuild\n")
-    L.append("```sh\npip install torch==2.13.0 transformers\nnice -n 5 python tools/train_tiny.py train\n"
+    L.append("```sh\npip install torch==2.13.0 transformers\n"
+             "nice -n 5 python tools/train_tiny.py train --out /tmp/colibri_tiny_f32   # --resume continues a stopped run\n"
              "python tools/train_tiny.py convert --bits 4\npython tools/train_tiny.py ref\n"
              "python tools/train_tiny.py eval\npython tools/train_tiny.py card\n```\n")
-    L.append("The weights depend on the interpreter's standard library and on torch's CPU kernels; the same "
-             "versions on the same kind of machine give the same model.\n")
+    L.append("`train` downloads the pinned wheels (no dependencies) with pip into `--wheels` and keeps the "
+             "tokenizer and token streams in `OUT.data/` and the training state in `OUT.state.pt` (every "
+             f"{tr['save_every']} steps), so an interrupted run continues where it stopped. The weights depend "
+             "on the interpreter's standard library, the pinned wheels and torch's CPU kernels; the same versions "
+             "on the same kind of machine give the same model.\n")
     return "\n".join(L)
 
 
@@ -1382,13 +1598,14 @@ def main(argv=None):
     t = sub.add_parser("train", help="corpus, tokenizer, training, f32 checkpoint")
     t.add_argument("--out", default=DEFAULT_OUT)
     t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--wheels", default=DEFAULT_WHEELS, help="where the corpus's pinned wheels are (downloaded if missing)")
     t.add_argument("--attn", default="eager", choices=("eager", "sdpa"))
     t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
                    help="bf16 autocast for the training matmuls (weights and optimizer stay f32)")
     t.add_argument("--resume", action="store_true",
                    help="continue from OUT.state.pt (saved every save_every steps), bit-exact")
     t.add_argument("--bench", type=int, default=None, metavar="STEPS", help="time STEPS steps, save nothing")
-    for k, typ in (("steps", int), ("batch", int), ("seq_len", int), ("lr", float)):
+    for k, typ in (("steps", int), ("batch", int), ("seq_len", int), ("lr", float), ("max_minutes", float)):
         t.add_argument("--" + k.replace("_", "-"), dest=k, type=typ, default=None)
     c = sub.add_parser("convert", help="convert the f32 checkpoint into the package (or --dst)")
     c.add_argument("--src", default=DEFAULT_OUT)
@@ -1409,7 +1626,7 @@ def main(argv=None):
     e.add_argument("--windows", type=int, default=None, help="held-out windows for quant (default all)")
     e.add_argument("--engine-windows", type=int, default=40)
     e.add_argument("--prompts", type=int, default=N_PROMPTS)
-    e.add_argument("--tokens", type=int, default=64)
+    e.add_argument("--tokens", type=int, default=128)
     e.add_argument("--repeats", type=int, default=1)
     k = sub.add_parser("card", help="MODEL_CARD.md from train_meta.json and the eval results")
     k.add_argument("--src", default=DEFAULT_OUT)

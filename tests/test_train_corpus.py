@@ -1,0 +1,72 @@
+"""The embedded model's corpus rules in tools/train_tiny.py (pure Python: no torch needed).
+
+The held-out benchmark must stay the same set of stdlib files from one edition of the model to the
+next, training files must not carry copies of held-out ones (vendored or backported modules), and
+the loop measure of the model card must mean what it says.
+"""
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _train_tiny():
+    spec = importlib.util.spec_from_file_location("train_tiny", ROOT / "tools" / "train_tiny.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+tt = _train_tiny()
+
+
+def test_heldout_split_is_by_path_and_stable():
+    # the rule hashes the relative path only: the same file is held out on every machine
+    assert tt.is_heldout("a/b.py") == tt.is_heldout("a/b.py")
+    rels = [f"pkg/m{i}.py" for i in range(2000)]
+    share = sum(map(tt.is_heldout, rels)) / len(rels)
+    assert 0.03 < share < 0.07, share
+    train, held = tt.load_corpus()
+    assert held and train and not {r for r, _ in held} & {r for r, _ in train}
+    assert all(tt.is_heldout(r) for r, _ in held)
+
+
+def test_package_paths_skip_test_folders():
+    assert tt._skipped("django/tests/test_x.py") and tt._skipped("sympy/core/tests/test_basic.py")
+    assert not tt._skipped("django/db/models/query.py") and not tt._skipped("tests.py")
+
+
+def _module(name, n):
+    return "\n".join(f"def {name}_function_number_{i}(argument_{i}):\n    return argument_{i} * {i}"
+                     for i in range(n))
+
+
+def test_duplicates_of_heldout_files_are_dropped():
+    held = [("std/heldout.py", _module("held", 40))]
+    vendored = "# vendored copy\n" + held[0][1]
+    partial = _module("held", 20) + "\n" + _module("other", 20)       # half the held-out file's lines
+    train = [("pkg/a.py", _module("alpha", 30)),
+             ("pkg/vendor/heldout.py", vendored),
+             ("pkg/b.py", _module("alpha", 30)),                      # exact copy of a.py
+             ("pkg/partial.py", partial),
+             ("pkg/c.py", _module("gamma", 30) + "\n" + _module("held", 3))]   # a few shared lines
+    kept, dropped = tt.drop_duplicates(train, held)
+    assert [r for r, _ in kept] == ["pkg/a.py", "pkg/c.py"]
+    assert dropped == 3
+
+
+def test_boilerplate_lines_do_not_make_files_duplicates():
+    header = "\n".join(f"# Licensed under the same long licence header, line {i} of it" for i in range(12))
+    held = [(f"pkg/h{i}.py", header + "\n" + _module(f"h{i}", 2)) for i in range(3)]
+    train = [(f"pkg/t{i}.py", header + "\n" + _module(f"t{i}", 30)) for i in range(3)]
+    kept, dropped = tt.drop_duplicates(train, held)
+    assert dropped == 0 and len(kept) == 3
+
+
+def test_distinct_ngrams_measures_loops():
+    assert tt.distinct_ngrams(list(range(100))) == 1.0
+    loop = [1, 2, 3] * 40
+    assert tt.distinct_ngrams(loop) < 0.05
+    assert tt.distinct_ngrams([5, 6]) == 1.0                             # shorter than one 4-gram
+    half = list(range(50)) + [7, 8, 9, 10] * 13
+    assert 0.4 < tt.distinct_ngrams(half) < 0.6
