@@ -1,6 +1,7 @@
 """``colibri plan``: the header-only RAM/disk plan agrees with a loaded engine, and bad input is a
 clear message with exit status 2."""
 import json
+import pathlib
 import shutil
 import struct
 import sys
@@ -162,7 +163,7 @@ def test_json_output(capsys):
                         "ram", "per_token", "notes"}
     assert rep["format"] == "container" and rep["ctx"] == 512 and rep["config"]["has_mtp"]
     assert rep["ram"]["budget_bytes"] == 2_000_000_000 and rep["ram"]["budget_source"] == "given"
-    assert rep["ram"]["capacity"] == 16 and not rep["ram"]["streaming"]
+    assert rep["ram"]["capacity"] == rep["config"]["n_experts"] and not rep["ram"]["streaming"]   # all fit
     assert rep["ram"]["projected_peak_bytes"] <= rep["ram"]["budget_bytes"]
     # resident_bytes() counts every resident group, the MTP head included
     assert rep["resident"]["uncounted"] == [] and rep["resident"]["uncounted_bytes"] == 0
@@ -174,8 +175,9 @@ def test_default_model_and_table(capsys):
     assert plan.main(["--cache-experts", "4", "--ram", "4"]) == 0
     out = capsys.readouterr().out
     assert default_model_dir() in out
-    for text in ("resident total", "resident total", "layer 5 (MTP)", "4 of 16 experts cached",
-                 "hit rate 0 assumed", "per MTP draft"):
+    cfg = json.loads((pathlib.Path(default_model_dir()) / "config.json").read_text())
+    for text in ("resident total", f"layer {cfg['num_hidden_layers']} (MTP)",
+                 f"4 of {cfg['n_routed_experts']} experts cached", "hit rate 0 assumed", "per MTP draft"):
         assert text in out, text
 
 

@@ -3,13 +3,15 @@
 
 The whole pipeline, reproducible with fixed seeds (CPU, torch 2.13.0, transformers 5.x):
 
-  train    corpus (the running interpreter's standard library, split by file), byte-level BPE
-           tokenizer, GlmMoeDsaForCausalLM + MTP layer trained jointly, f32 HF checkpoint in
-           --out (outside the repository).
+  train    corpus (the running interpreter's standard library and the .py files of PACKAGES, pinned
+           wheels from PyPI; split by file), byte-level BPE tokenizer, GlmMoeDsaForCausalLM + MTP
+           layer trained jointly, f32 HF checkpoint in --out (outside the repository); resumable
+           (--resume) from OUT.state.pt with the prepared tokens in OUT.data/.
   convert  ``python -m colibri convert`` of that checkpoint into colibri/models/default
            (or --dst), int4 or int8 experts/dense, int8 io and MTP.
   ref      tests/data/default_ref.json: transformers on the container's DEQUANTIZED weights.
-  eval     held-out loss of containers, parity, MTP acceptance and decode speed through the CLI.
+  eval     held-out loss of containers, parity, greedy loops (distinct 4-grams), MTP acceptance
+           (greedy and sampled, depths 1-4) and decode speed through the CLI.
   card     colibri/models/default/MODEL_CARD.md from the training metadata and the eval results.
 
     nice -n 5 python tools/train_tiny.py train --out /tmp/colibri_tiny_f32
@@ -1359,7 +1361,7 @@ def eval_parity(args, res):
     default integer numerics."""
     import colibri
     from colibri.parity import check, load_ref
-    ref = load_ref(REF_PATH)
+    ref = load_ref(args.ref)
     out = {}
     for name, kw in (("f32 (--idot 0)", dict(idot=0)), ("f32, absorbed always", dict(idot=0, absorb=1)),
                      ("f32, absorbed never", dict(idot=0, absorb=0)), ("default (--idot 2)", {})):
@@ -1622,6 +1624,7 @@ def main(argv=None):
     e.add_argument("--model", default=PKG_MODEL)
     e.add_argument("--parts", default="all", help="comma list of quant,engine,parity,mtp,speed,samples (or all)")
     e.add_argument("--results", default="/tmp/colibri_tiny_eval.json")
+    e.add_argument("--ref", default=REF_PATH, help="the parity reference written by 'ref'")
     e.add_argument("--threads", type=int, default=2)
     e.add_argument("--windows", type=int, default=None, help="held-out windows for quant (default all)")
     e.add_argument("--engine-windows", type=int, default=40)
