@@ -117,6 +117,7 @@ TRAIN = dict(
     betas=(0.9, 0.95),
     grad_clip=1.0,
     mtp_lambda=0.3,
+    mtp_distill=0.0,                    # weight of KL(main's next-next distribution || MTP head's)
     bias_update=3e-3,                   # e_score_correction_bias step per update (DeepSeek-V3's gamma)
     balance_alpha=1e-3,                 # small batch-wise expert balance loss
     log_every=25,
@@ -583,13 +584,20 @@ def fast_logits(lm, head, x, mon=None):
     return logits, lm.lm_head(head.shared_head_norm(o))
 
 
-def fast_losses(lm, head, x, mon=None, reduction="mean"):
+def fast_losses(lm, head, x, mon=None, reduction="mean", with_distill=False):
+    """Main and MTP cross-entropies; with_distill: also KL(main || MTP) per MTP row (mean), where
+    the main model's distribution of t_{i+2} is its prediction at position i+1 (detached: a
+    target for the head), the distribution the head's drafts are accepted against."""
     F = _torch().nn.functional
     logits, mlog = fast_logits(lm, head, x, mon)
     V = logits.shape[-1]
     main = F.cross_entropy(logits.reshape(-1, V).float(), x[:, 1:].reshape(-1), reduction=reduction)
     mtp = F.cross_entropy(mlog.reshape(-1, V).float(), x[:, 2:].reshape(-1), reduction=reduction)
-    return main, mtp
+    if not with_distill:
+        return main, mtp
+    logp = F.log_softmax(logits[:, 1:].detach().float(), dim=-1)           # [B, T-1, V]
+    kl = F.kl_div(F.log_softmax(mlog.float(), dim=-1), logp, log_target=True, reduction="none").sum(-1).mean()
+    return main, mtp, kl
 
 
 def check_fast_path(lm, head, x):
@@ -834,7 +842,7 @@ def cmd_train(args):
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
 
     tr = dict(TRAIN)
-    for k in ("steps", "batch", "seq_len", "lr", "max_minutes"):
+    for k in ("steps", "batch", "seq_len", "lr", "max_minutes", "stdlib_share", "mtp_distill"):
         if getattr(args, k) is not None:
             tr[k] = getattr(args, k)
     t_all = time.time()
@@ -914,9 +922,12 @@ def cmd_train(args):
             g["lr"] = lr_at(step, tr)
         mon.reset()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            main, mtp = fast_losses(lm, head, x, mon)
+            if tr["mtp_distill"]:
+                main, mtp, kl = fast_losses(lm, head, x, mon, with_distill=True)
+            else:
+                (main, mtp), kl = fast_losses(lm, head, x, mon), torch.zeros(())
         aux = torch.stack(mon.aux).mean() if mon.aux else torch.zeros(())
-        loss = main + tr["mtp_lambda"] * mtp + tr["balance_alpha"] * aux
+        loss = main + tr["mtp_lambda"] * mtp + tr["balance_alpha"] * aux + tr["mtp_distill"] * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], tr["grad_clip"])
@@ -926,10 +937,11 @@ def cmd_train(args):
         if step % tr["log_every"] == 0 or step == steps - 1 or args.bench is not None:
             el = time.time() - t_train
             imb = mon.imbalance()
-            log(f"step {step:5d} | loss {main.item():.4f} mtp {mtp.item():.4f} aux {aux.item():.3f} | "
+            log(f"step {step:5d} | loss {main.item():.4f} mtp {mtp.item():.4f} kl {kl.item():.3f} aux {aux.item():.3f} | "
                 f"lr {lr_at(step, tr):.2e} gn {float(gn):.2f} | max/mean load {max(imb):.2f} | "
                 f"{tok_seen / el:.0f} tok/s, {el / 60:.1f} min")
             curve.append({"step": step, "loss": round(main.item(), 4), "mtp_loss": round(mtp.item(), 4),
+                          "mtp_kl": round(kl.item(), 4),
                           "elapsed_s": round(el, 1)})
         if args.bench is None and ((step + 1) % tr["eval_every"] == 0 and step + 1 < steps):
             lm.eval(); head.eval()
@@ -1607,7 +1619,8 @@ def main(argv=None):
     t.add_argument("--resume", action="store_true",
                    help="continue from OUT.state.pt (saved every save_every steps), bit-exact")
     t.add_argument("--bench", type=int, default=None, metavar="STEPS", help="time STEPS steps, save nothing")
-    for k, typ in (("steps", int), ("batch", int), ("seq_len", int), ("lr", float), ("max_minutes", float)):
+    for k, typ in (("steps", int), ("batch", int), ("seq_len", int), ("lr", float), ("max_minutes", float),
+                   ("stdlib_share", float), ("mtp_distill", float)):
         t.add_argument("--" + k.replace("_", "-"), dest=k, type=typ, default=None)
     c = sub.add_parser("convert", help="convert the f32 checkpoint into the package (or --dst)")
     c.add_argument("--src", default=DEFAULT_OUT)
