@@ -15,10 +15,11 @@ The whole pipeline, reproducible with fixed seeds (CPU, torch 2.13.0, transforme
   card     colibri/models/default/MODEL_CARD.md from the training metadata and the eval results.
 
     nice -n 5 python tools/train_tiny.py train --out /tmp/colibri_tiny_f32
-    python tools/train_tiny.py convert --out /tmp/colibri_tiny_f32 --bits 4
+    python tools/train_tiny.py convert --src /tmp/colibri_tiny_f32 --bits 4
     python tools/train_tiny.py ref
     python tools/train_tiny.py eval --model colibri/models/default
     python tools/train_tiny.py card
+    python tools/train_tiny.py all --out /tmp/colibri_tiny_f32 [--resume]     # the five in one go
 
 Architecture (GLM-5 ``glm_moe_dsa``, scaled down): MLA with q_lora and kv_lora, interleaved
 default RoPE, sigmoid-routed MoE with e_score_correction_bias (aux-loss-free balancing: the bias
@@ -1606,6 +1607,24 @@ def cmd_card(args):
 # main
 # ----------------------------------------------------------------------------------------------
 
+def cmd_all(args):
+    """train (or --resume), convert, ref, eval, card: the whole rebuild in one command."""
+    res = args.out.rstrip("/") + ".eval.json"
+    steps = [["train", "--out", args.out, "--wheels", args.wheels] + (["--resume"] if args.resume else []),
+             ["convert", "--src", args.out],
+             ["ref", "--src", args.out],
+             ["eval", "--src", args.out, "--results", res],
+             ["card", "--src", args.out, "--results", res]]
+    for argv in steps:
+        t0 = time.time()
+        log(f"=== train_tiny.py {' '.join(argv)}")
+        rc = main(argv)
+        log(f"=== {argv[0]}: {(time.time() - t0) / 60:.1f} min")
+        if rc:
+            return rc
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -1648,8 +1667,12 @@ def main(argv=None):
     k.add_argument("--src", default=DEFAULT_OUT)
     k.add_argument("--model", default=PKG_MODEL)
     k.add_argument("--results", default="/tmp/colibri_tiny_eval.json")
+    a = sub.add_parser("all", help="train (--resume), convert, ref, eval and card in one go")
+    a.add_argument("--out", default=DEFAULT_OUT)
+    a.add_argument("--wheels", default=DEFAULT_WHEELS)
+    a.add_argument("--resume", action="store_true")
     args = ap.parse_args(argv)
-    return {"train": cmd_train, "convert": cmd_convert, "ref": cmd_ref, "eval": cmd_eval,
+    return {"all": cmd_all, "train": cmd_train, "convert": cmd_convert, "ref": cmd_ref, "eval": cmd_eval,
             "card": cmd_card}[args.cmd](args)
 
 
