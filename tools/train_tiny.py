@@ -110,21 +110,21 @@ MODEL = dict(
 TRAIN = dict(
     seq_len=512,
     batch=8,
-    steps=880,
+    steps=2000,
     lr=2e-3,
     min_lr_frac=0.1,
-    warmup=40,
+    warmup=60,
     weight_decay=0.1,
     betas=(0.9, 0.95),
     grad_clip=1.0,
     mtp_lambda=0.3,
-    mtp_distill=0.0,                    # weight of KL(main's next-next distribution || MTP head's)
+    mtp_distill=0.3,                    # weight of KL(main's next-next distribution || MTP head's)
     bias_update=3e-3,                   # e_score_correction_bias step per update (DeepSeek-V3's gamma)
     balance_alpha=1e-3,                 # small batch-wise expert balance loss
     log_every=25,
-    eval_every=220,
-    max_minutes=150,                    # safety stop of the training loop (wall clock)
-    stdlib_share=0.4,                   # share of training windows drawn from the stdlib
+    eval_every=500,
+    max_minutes=135,                    # safety stop of the training loop (wall clock)
+    stdlib_share=0.5,                   # share of training windows drawn from the stdlib
     save_every=40,                      # training state for --resume (next to --out)
     eval_windows=24,                    # held-out windows for the in-training evaluation
 )
@@ -1489,7 +1489,10 @@ def render_card(meta, res, cfg, manifest, model_bytes) -> str:
              "files; `<|endoftext|>` separates files.")
     L.append(f"- Objective: next token + {tr['mtp_lambda']} × next-next token through the MTP layer (DeepSeek-V3 / "
              f"GLM-5 convention), aux-loss-free expert balancing (bias step {tr['bias_update']}) plus a "
-             f"{tr['balance_alpha']} balance loss.")
+             f"{tr['balance_alpha']} balance loss" + (
+                 f"; plus {tr['mtp_distill']} × KL(main model's distribution of t+2 at position t+1 ‖ the MTP "
+                 "head's), which teaches the head the distribution its drafts are accepted against"
+                 if tr.get("mtp_distill") else "") + ".")
     L.append(f"- {meta['steps']} steps of {tr['batch']} × {tr['seq_len']} tokens ({meta['tokens_seen'] / 1e6:.2f} M "
              f"tokens), AdamW lr {tr['lr']} cosine to {tr['min_lr_frac']}×, seed {meta['seed']}, f32, torch "
              f"{meta['torch']}, transformers {meta['transformers']}, {meta['threads']} CPU threads: "
