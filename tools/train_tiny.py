@@ -1613,7 +1613,10 @@ def cmd_card(args):
 def cmd_all(args):
     """train (or --resume), convert, ref, eval, card: the whole rebuild in one command."""
     res = args.out.rstrip("/") + ".eval.json"
-    steps = [["train", "--out", args.out, "--wheels", args.wheels] + (["--resume"] if args.resume else []),
+    train = ["train", "--out", args.out, "--wheels", args.wheels] + (["--resume"] if args.resume else [])
+    if args.steps is not None:
+        train += ["--steps", str(args.steps)]
+    steps = [train,
              ["convert", "--src", args.out],
              ["ref", "--src", args.out],
              ["eval", "--src", args.out, "--results", res],
@@ -1674,6 +1677,7 @@ def main(argv=None):
     a.add_argument("--out", default=DEFAULT_OUT)
     a.add_argument("--wheels", default=DEFAULT_WHEELS)
     a.add_argument("--resume", action="store_true")
+    a.add_argument("--steps", type=int, default=None, help=f"training steps (default {TRAIN['steps']})")
     args = ap.parse_args(argv)
     return {"all": cmd_all, "train": cmd_train, "convert": cmd_convert, "ref": cmd_ref, "eval": cmd_eval,
             "card": cmd_card}[args.cmd](args)
