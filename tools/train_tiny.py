@@ -216,26 +216,29 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace").replace("\r\n", "\n")
 
 
-def wheel_path(wheels: str, dist: str, version: str) -> str:
+def _wheel_key(dist: str, version: str):
+    return re.sub(r"[-_.]+", "_", dist).lower(), version
+
+
+def wheel_index(wheels: str) -> dict:
+    """{(normalised distribution name, version): path} of the wheels in WHEELS."""
     import glob
-    norm = re.sub(r"[-_.]+", "_", dist).lower()
-    for p in sorted(glob.glob(os.path.join(wheels, "*.whl"))):
-        name, ver = os.path.basename(p).split("-")[:2]
-        if re.sub(r"[-_.]+", "_", name).lower() == norm and ver == version:
-            return p
-    return ""
+    return {_wheel_key(*os.path.basename(p).split("-")[:2]): p
+            for p in sorted(glob.glob(os.path.join(wheels, "*.whl")))}
 
 
 def fetch_packages(wheels: str):
     """pip download of every pinned wheel missing from WHEELS (no dependencies: the list is the corpus)."""
     os.makedirs(wheels, exist_ok=True)
-    missing = [f"{d}=={v}" for d, v, _ in PACKAGES if not wheel_path(wheels, d, v)]
+    have = wheel_index(wheels)
+    missing = [f"{d}=={v}" for d, v, _ in PACKAGES if _wheel_key(d, v) not in have]
     if missing:
         log(f"corpus: downloading {len(missing)} wheels into {wheels}")
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                         "--python-version", "3.11", "--platform", "any", "--implementation", "py",
                         "-d", wheels, *missing], check=True)
-    return {d: wheel_path(wheels, d, v) for d, v, _ in PACKAGES}
+        have = wheel_index(wheels)
+    return {d: have[_wheel_key(d, v)] for d, v, _ in PACKAGES}
 
 
 def package_docs(wheels: str):
@@ -385,9 +388,8 @@ def prepare_data(out: str, wheels: str):
         "files": {k: len(c[k]) for k in STREAMS},
         "megabytes": {k: round(sum(len(t) for _, t in c[k]) / 1e6, 2) for k in STREAMS},
         "tokens": {k: int(len(v)) for k, v in streams.items()},
-        "prepare_seconds": 0.0,
+        "prepare_seconds": round(time.time() - t0, 1),
     }
-    man["prepare_seconds"] = round(time.time() - t0, 1)
     os.makedirs(d, exist_ok=True)
     tok.save(os.path.join(d, "tokenizer.json"))
     for k, v in streams.items():
@@ -477,19 +479,22 @@ def mtp_forward(head, lm, ids_next, hn):
     return lm.lm_head(head.shared_head_norm(o))
 
 
+def cross_entropies(logits, mlog, x, reduction="mean"):
+    """Main CE of logits [B, T, V] against x[:, 1:] and MTP CE of mlog [B, T-1, V] against x[:, 2:]."""
+    F = _torch().nn.functional
+    V = logits.shape[-1]
+    main = F.cross_entropy(logits.reshape(-1, V).float(), x[:, 1:].reshape(-1), reduction=reduction)
+    mtp = F.cross_entropy(mlog.reshape(-1, V).float(), x[:, 2:].reshape(-1), reduction=reduction)
+    return main, mtp
+
+
 def losses(lm, head, x, reduction="mean"):
     """x: [B, T+1] token windows. Main CE over T positions, MTP CE over T-1 positions."""
-    torch = _torch()
-    F = torch.nn.functional
     inp = x[:, :-1]
     out = lm.model(input_ids=inp, use_cache=False)
     hn = out.last_hidden_state                                   # model.norm(h)
-    logits = lm.lm_head(hn)
-    V = logits.shape[-1]
-    main = F.cross_entropy(logits.reshape(-1, V).float(), x[:, 1:].reshape(-1), reduction=reduction)
     mlog = mtp_forward(head, lm, inp[:, 1:], hn[:, :-1])
-    mtp = F.cross_entropy(mlog.reshape(-1, V).float(), x[:, 2:].reshape(-1), reduction=reduction)
-    return main, mtp
+    return cross_entropies(lm.lm_head(hn), mlog, x, reduction)
 
 
 # The training forward: the same computation as HF's modules (and their weights), faster on CPU.
@@ -585,20 +590,18 @@ def fast_logits(lm, head, x, mon=None):
     return logits, lm.lm_head(head.shared_head_norm(o))
 
 
-def fast_losses(lm, head, x, mon=None, reduction="mean", with_distill=False):
-    """Main and MTP cross-entropies; with_distill: also KL(main || MTP) per MTP row (mean), where
-    the main model's distribution of t_{i+2} is its prediction at position i+1 (detached: a
-    target for the head), the distribution the head's drafts are accepted against."""
-    F = _torch().nn.functional
+def fast_losses(lm, head, x, mon=None, reduction="mean"):
     logits, mlog = fast_logits(lm, head, x, mon)
-    V = logits.shape[-1]
-    main = F.cross_entropy(logits.reshape(-1, V).float(), x[:, 1:].reshape(-1), reduction=reduction)
-    mtp = F.cross_entropy(mlog.reshape(-1, V).float(), x[:, 2:].reshape(-1), reduction=reduction)
-    if not with_distill:
-        return main, mtp
+    return cross_entropies(logits, mlog, x, reduction)
+
+
+def mtp_kl(logits, mlog):
+    """Mean over MTP rows of KL(main || MTP): the main model's distribution of t_{i+2} is its
+    prediction at position i+1 (detached: a target for the head), the distribution the head's
+    drafts are accepted against. logits [B, T, V], mlog [B, T-1, V]."""
+    F = _torch().nn.functional
     logp = F.log_softmax(logits[:, 1:].detach().float(), dim=-1)           # [B, T-1, V]
-    kl = F.kl_div(F.log_softmax(mlog.float(), dim=-1), logp, log_target=True, reduction="none").sum(-1).mean()
-    return main, mtp, kl
+    return F.kl_div(F.log_softmax(mlog.float(), dim=-1), logp, log_target=True, reduction="none").sum(-1).mean()
 
 
 def check_fast_path(lm, head, x):
@@ -923,10 +926,9 @@ def cmd_train(args):
             g["lr"] = lr_at(step, tr)
         mon.reset()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            if tr["mtp_distill"]:
-                main, mtp, kl = fast_losses(lm, head, x, mon, with_distill=True)
-            else:
-                (main, mtp), kl = fast_losses(lm, head, x, mon), torch.zeros(())
+            logits, mlog = fast_logits(lm, head, x, mon)
+            main, mtp = cross_entropies(logits, mlog, x)
+            kl = mtp_kl(logits, mlog) if tr["mtp_distill"] else torch.zeros(())
         aux = torch.stack(mon.aux).mean() if mon.aux else torch.zeros(())
         loss = main + tr["mtp_lambda"] * mtp + tr["balance_alpha"] * aux + tr["mtp_distill"] * kl
         opt.zero_grad(set_to_none=True)
@@ -1299,47 +1301,53 @@ def distinct_ngrams(ids, n=4) -> float:
 SAMPLED_T = 0.7
 
 
+def draft_summary(stats, base, depth, greedy):
+    """One --draft DEPTH row from the per-prompt run stats: acceptance, acceptance by draft
+    position (pooled over prompts), tokens per forward, decode tok/s, and (greedy) whether every
+    output equals --draft 0's (base)."""
+    prop = sum(s["drafts_proposed"] for s in stats)
+    acc = sum(s["drafts_accepted"] for s in stats)
+    toks = sum(s["decode_tokens"] for s in stats)
+    ver, hit = np.zeros(depth), np.zeros(depth)
+    for s in stats:
+        v = np.asarray(s.get("drafts_verified_by_position", []), dtype=float)
+        ver[:len(v)] += v
+        hit[:len(v)] += np.asarray(s.get("acceptance_by_position", []), dtype=float) * v
+    return {"proposed": prop, "accepted": acc, "acceptance": acc / max(prop, 1),
+            "tokens_per_forward": toks / max(sum(s["decode_forwards"] for s in stats), 1),
+            "acceptance_by_position": [round(float(h / v), 3) if v else None for h, v in zip(hit, ver)],
+            "lossless": all(s["tokens"] == b["tokens"] for s, b in zip(stats, base)) if greedy else None,
+            "decode_tok_s": toks / sum(s["decode_s"] for s in stats)}
+
+
 def eval_mtp(args, res):
     """On the held-out prompts, --tokens each, the shipped container: greedy --draft 0 (its distinct
     4-gram ratio per prompt: does greedy decoding loop?), then --draft 1..4 greedy (acceptance,
     tokens per forward, acceptance by draft position, output = --draft 0's) and sampled at
     SAMPLED_T with a fixed seed per prompt (acceptance of the exact rejection-sampling test)."""
     prompts = heldout_prompts(args.prompts)
+    seeds = [1000 + i for i in range(len(prompts))]
     out = {"prompts": [p for _, p in prompts], "files": [f for f, _ in prompts], "n": args.tokens,
            "temperature_sampled": SAMPLED_T, "modes": {}}
+
+    def runs(depth, temp):
+        return [run_stats(args.model, p, depth, args.tokens, temperature=temp, seed=sd)
+                for (_, p), sd in zip(prompts, seeds)]
+
     for mode, temp in (("greedy", 0), ("sampled", SAMPLED_T)):
-        seeds = [1000 + i for i in range(len(prompts))]
-        base = [run_stats(args.model, p, 0, args.tokens, temperature=temp, seed=sd) for (_, p), sd in zip(prompts, seeds)]
-        rows = {}
+        base = runs(0, temp)
         if mode == "greedy":
             out["distinct4"] = [{"prompt": p, "tokens": len(st["tokens"]), "distinct4": round(distinct_ngrams(st["tokens"]), 3),
                                  "text": st["text"]} for (_, p), st in zip(prompts, base)]
             d4 = [r["distinct4"] for r in out["distinct4"]]
             log(f"greedy, {len(prompts)} prompts x {args.tokens} tokens: distinct 4-grams min {min(d4):.3f}, "
                 f"mean {np.mean(d4):.3f}: {d4}")
+        rows = {}
         for depth in (1, 2, 3, 4):
-            st = [run_stats(args.model, p, depth, args.tokens, temperature=temp, seed=sd)
-                  for (_, p), sd in zip(prompts, seeds)]
-            prop = sum(s["drafts_proposed"] for s in st)
-            acc = sum(s["drafts_accepted"] for s in st)
-            toks = sum(s["decode_tokens"] for s in st)
-            fwd = sum(s["decode_forwards"] for s in st)
-            ver = np.zeros(depth)
-            hit = np.zeros(depth)
-            for s in st:
-                v = s.get("drafts_verified_by_position", [])
-                a = s.get("acceptance_by_position", [])
-                ver[:len(v)] += v
-                hit[:len(v)] += np.asarray(a) * np.asarray(v)
-            rows[depth] = {"proposed": prop, "accepted": acc, "acceptance": acc / max(prop, 1),
-                           "tokens_per_forward": toks / max(fwd, 1),
-                           "acceptance_by_position": [round(float(h / v), 3) if v else None for h, v in zip(hit, ver)],
-                           "lossless": (all(s["tokens"] == b0["tokens"] for s, b0 in zip(st, base))
-                                        if mode == "greedy" else None),
-                           "decode_tok_s": toks / sum(s["decode_s"] for s in st)}
-            log(f"{mode}, --draft {depth}: acceptance {100 * rows[depth]['acceptance']:.1f}% ({acc}/{prop}), by "
-                f"position {rows[depth]['acceptance_by_position']}, {rows[depth]['tokens_per_forward']:.2f} "
-                f"tokens/forward" + (f", same output as --draft 0: {rows[depth]['lossless']}" if mode == "greedy" else ""))
+            r = rows[depth] = draft_summary(runs(depth, temp), base, depth, greedy=mode == "greedy")
+            log(f"{mode}, --draft {depth}: acceptance {100 * r['acceptance']:.1f}% ({r['accepted']}/{r['proposed']}), "
+                f"by position {r['acceptance_by_position']}, {r['tokens_per_forward']:.2f} tokens/forward"
+                + (f", same output as --draft 0: {r['lossless']}" if r["lossless"] is not None else ""))
         out["modes"][mode] = {"depths": rows, "draft0_decode_tok_s": sum(s["decode_tokens"] for s in base)
                               / sum(s["decode_s"] for s in base)}
     res["mtp"] = out
@@ -1472,7 +1480,7 @@ def render_card(meta, res, cfg, manifest, model_bytes) -> str:
     tr = meta["train"]
     L.append("## Training\n")
     cm = meta["corpus"]
-    f, mb, tk = cm["files"], cm["megabytes"], cm["tokens"]
+    f, tk = cm["files"], cm["tokens"]
     L.append(f"- Corpus: the `.py` files of the Python {meta['python']} standard library (tests, idlelib and "
              f"site-packages left out) and of the {len(cm['packages'])} PyPI distributions listed below (their "
              f"wheels' `.py` files, test folders and files over {cm['max_file_bytes'] >> 20} MB left out), split "
