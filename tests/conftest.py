@@ -1,9 +1,18 @@
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 DATA = pathlib.Path(__file__).parent / "data"
+FAT_TWIN = pathlib.Path(__file__).resolve().parent.parent / "tools" / "make_fat_twin.py"
+
+
+def fat_twin(src, dst, width):
+    """tools/make_fat_twin.py SRC DST --width WIDTH (experts zero-padded to WIDTH): the process."""
+    return subprocess.run([sys.executable, str(FAT_TWIN), str(src), str(dst), "--width", str(width)],
+                          capture_output=True, text=True, timeout=300)
 
 
 def greedy_steps(m, ids, n):

@@ -1,8 +1,6 @@
 """tools/make_fat_twin.py: experts zero-padded to a wider intermediate dimension compute the same
 function (the same greedy tokens) at more bytes per expert, for containers and float checkpoints."""
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,15 +9,7 @@ import pytest
 from colibri import model_init
 from colibri.convert import ConvertOptions, convert
 from colibri.models import default_model_dir
-from conftest import DATA, greedy_steps
-
-TOOL = Path(__file__).resolve().parent.parent / "tools" / "make_fat_twin.py"
-
-
-def twin(src, dst, width):
-    return subprocess.run([sys.executable, str(TOOL), str(src), str(dst), "--width", str(width)],
-                          capture_output=True, text=True, timeout=300)
-
+from conftest import DATA, fat_twin as twin, greedy_steps
 
 def greedy(path, n=12):
     """Prefill a fixed prompt, then n greedy steps: (tokens, logits of every step)."""

@@ -2,9 +2,6 @@
 same tokens as experts read with pread, pages dropped from the RSS when the cache lets an expert go,
 and evicted experts kept mapped within the RAM plan's page-cache reserve (COLIBRI_MMAP=1 here)."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,9 +9,7 @@ import pytest
 from colibri import model_init, tiers
 from colibri.convert import ConvertOptions, convert
 from colibri.models import default_model_dir
-from conftest import DATA, greedy_steps
-
-FAT_TWIN = Path(__file__).resolve().parent.parent / "tools" / "make_fat_twin.py"
+from conftest import DATA, fat_twin, greedy_steps
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +82,7 @@ def test_released_experts_leave_the_rss_and_kept_ones_stay(tmp_path):
     Measured on the embedded model's fat twin (tools/make_fat_twin.py, experts ~300 KB): the
     kernel's 64 KB fault-around maps a small expert's neighbours back in as soon as one is read."""
     fat = tmp_path / "fat"
-    r = subprocess.run([sys.executable, str(FAT_TWIN), str(default_model_dir()), str(fat), "--width", "1024"],
-                       capture_output=True, text=True, timeout=300)
+    r = fat_twin(default_model_dir(), fat, 1024)
     assert r.returncode == 0, r.stderr
     layer_bytes = {}
     for keep in (0, 10 ** 9):

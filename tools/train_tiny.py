@@ -307,13 +307,13 @@ def load_full_corpus(wheels: str):
     pkg = package_docs(wheels)
     pkg_train = [d for d in pkg if not is_heldout(d[0])]
     pkg_held = [d for d in pkg if is_heldout(d[0])]
-    # one pass over both training sets (the stdlib first, so a package's copy of a stdlib module is
-    # the one dropped); the stdlib's relative paths and the packages' ("name/...") never collide
-    tagged = [("std", d) for d in std_train] + [("pkg", d) for d in pkg_train]
-    kept, dropped = drop_duplicates([d for _, d in tagged], std_held + pkg_held)
-    kept_ids = {id(d) for d in kept}                # drop_duplicates keeps the documents themselves
-    side = {k: [d for o, d in tagged if o == k and id(d) in kept_ids] for k in ("std", "pkg")}
-    return {"std_train": side["std"], "std_held": std_held, "pkg_train": side["pkg"], "pkg_held": pkg_held,
+    # one pass over both training sets, the stdlib first (a package's copy of a stdlib module is the
+    # one dropped); drop_duplicates returns the kept documents themselves, so each side is filtered
+    kept, dropped = drop_duplicates(std_train + pkg_train, std_held + pkg_held)
+    kept_ids = {id(d) for d in kept}
+    std_train = [d for d in std_train if id(d) in kept_ids]
+    pkg_train = [d for d in pkg_train if id(d) in kept_ids]
+    return {"std_train": std_train, "std_held": std_held, "pkg_train": pkg_train, "pkg_held": pkg_held,
             "dropped": dropped}
 
 
@@ -701,7 +701,7 @@ def load_mtp_head(cfg, sd: dict):
     torch = _torch()
     head = make_mtp_head(cfg)
     pre = f"model.layers.{head.layer_idx}."
-    E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+    E = cfg.n_routed_experts
     lsd = {}
     for k in head.layer.state_dict():
         if k == "mlp.experts.gate_up_proj":
