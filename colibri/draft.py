@@ -39,6 +39,8 @@ SETTLE = 2                  # iterations after a losing probe / a generation's s
 SETTLE_PROBE = 1            # ... and at a probe's start
 ACCEPT_PRIOR = 2.0          # verifies' worth of the guess a draft position's rate starts from
 ACCEPT_DECAY = 0.99         # per verified draft: the acceptance follows the text over ~100 drafts
+DROP_MIN_VERIFIED = 8       # drafts verified at position 1 before a verify forward may drop rows
+DROP_EXPLORE_EVERY = 8      # ... and every 8th verify forward keeps all of them regardless
 
 
 def parse_draft(text) -> "int | str":
@@ -86,6 +88,7 @@ class DraftPolicy:
         self._up = True                 # direction of the next probe
         self._block = []                # the current probe block's iteration times
         self._settle = SETTLE           # iterations left whose times are not the incumbent's cost
+        self._verify_calls = 0          # verify_values calls (the drop rule's exploration rhythm)
         self.min_p = 0.0                # the draft chain ends below this top-1 probability (mtp_draft)
         self.verified_at = [0] * (self.max_depth + 1)   # drafts verified / accepted, by position
         self.accepted_at = [0] * (self.max_depth + 1)
@@ -134,8 +137,12 @@ class DraftPolicy:
 
     def verify_values(self, g: int):
         """P(drafts 1..r accepted) for the r = 1..g drafts of a verify batch, what the engine weighs
-        their expert reads against (Model._rows_to_keep); None before any draft was verified."""
-        if self._ver[0] < 1.0:
+        their expert reads against (Model._rows_to_keep); None (keep every row) while few drafts
+        were verified, and on every DROP_EXPLORE_EVERY-th call: a dropped draft is never tested,
+        so an estimate that says "drop" would otherwise never be corrected (one unlucky early
+        rejection would keep the drafts of a whole generation out)."""
+        self._verify_calls += 1
+        if self._ver[0] < DROP_MIN_VERIFIED or self._verify_calls % DROP_EXPLORE_EVERY == 0:
             return None
         return self.prefix_acceptance(g)
 

@@ -257,6 +257,27 @@ def test_guard_keeps_useful_drafts():
     assert not pol.off and pol.depth() == 3
 
 
+def test_the_drop_rule_keeps_learning_the_acceptance():
+    """verify_values (what the engine weighs a draft row's expert reads against): None, keep every
+    row, until DROP_MIN_VERIFIED drafts were verified; then the measured prefix acceptance, except
+    on every DROP_EXPLORE_EVERY-th call, so that an estimate low enough to drop every draft (which
+    would never be tested again) still meets the drafts' real fate and recovers."""
+    from colibri.draft import DROP_EXPLORE_EVERY, DROP_MIN_VERIFIED
+    pol = DraftPolicy(2)
+    assert pol.verify_values(2) is None
+    for _ in range(DROP_MIN_VERIFIED + 1):
+        pol.record(2, 2, 0, 0.01)                    # an unlucky start: every draft rejected
+    low = pol.verify_values(2)
+    assert low is not None and low[0] < 0.2 and len(low) == 2
+    kept = 0
+    for _ in range(16 * DROP_EXPLORE_EVERY):         # from now on every draft would be accepted
+        v = pol.verify_values(2)
+        keep = v is None or v[0] > 0.5               # a drop rule that drops below one in two
+        kept += keep
+        pol.record(2, 2, 2 if keep else 0, 0.01, verified=2 if keep else 0)
+    assert kept > 32 and pol.verify_values(2)[0] > 0.8   # exploration met the drafts' fate, the estimate recovered
+
+
 def test_auto_prefers_no_drafts_when_they_do_not_pay():
     pol = DraftPolicy("auto")
     depths = []
