@@ -10,7 +10,9 @@ drafts follow it). It runs one depth (the incumbent) and climbs: now and then it
 up (after a loss, one down) for a short block of iterations, and only a probe's verdict changes the
 depth. The verdict compares costs measured close together - the probe block's iterations against
 the incumbent's own last ones - so a figure measured minutes ago (a cold cache after load, the
-host's slower minute) never decides against a fresh one. The SETTLE iterations after a losing
+host's slower minute) never decides against a fresh one. A verdict within the noise of the two medians
+(iterations that wait on expert reads vary by a factor of several) extends the probe, up to
+MAX_PROBE iterations; still unsure, the shallower depth is kept, and the next probe comes as soon. The SETTLE iterations after a losing
 probe (whose verify rows evicted experts they need), the first ones of a generation (after the
 prefill's loads) and the first of a probe (the incumbent's cache state) are not taken as costs.
 A probe that wins becomes the depth and the next step that way comes soon; a probe that loses
@@ -39,8 +41,17 @@ SETTLE = 2                  # iterations after a losing probe / a generation's s
 SETTLE_PROBE = 1            # ... and at a probe's start
 ACCEPT_PRIOR = 2.0          # verifies' worth of the guess a draft position's rate starts from
 ACCEPT_DECAY = 0.99         # per verified draft: the acceptance follows the text over ~100 drafts
+MAX_PROBE = 16              # iterations a probe may run while its verdict is within the noise
+NOISE_Z = 1.0               # ... the noise: this many spreads of the difference of the medians
 DROP_MIN_VERIFIED = 8       # drafts verified at position 1 before a verify forward may drop rows
 DROP_EXPLORE_EVERY = 8      # ... and every 8th verify forward keeps all of them regardless
+
+
+def _mad(xs) -> float:
+    """1.4826 x the median absolute deviation: a spread that a few slow iterations (expert reads)
+    do not inflate; the standard deviation for normal samples."""
+    m = statistics.median(xs)
+    return 1.4826 * statistics.median([abs(x - m) for x in xs])
 
 
 def parse_draft(text) -> "int | str":
@@ -138,13 +149,17 @@ class DraftPolicy:
     def verify_values(self, g: int):
         """P(drafts 1..r accepted) for the r = 1..g drafts of a verify batch, what the engine weighs
         their expert reads against (Model._rows_to_keep); None (keep every row) while few drafts
-        were verified, and on every DROP_EXPLORE_EVERY-th call: a dropped draft is never tested,
-        so an estimate that says "drop" would otherwise never be corrected (one unlucky early
-        rejection would keep the drafts of a whole generation out)."""
+        were verified. A dropped draft is never tested, so an estimate that says "drop" would
+        never be corrected (one unlucky early rejection would keep the drafts of a whole generation
+        out): every DROP_EXPLORE_EVERY-th call counts the first draft as sure, so that one is tested
+        (the rows after it are weighed as usual)."""
         self._verify_calls += 1
-        if self._ver[0] < DROP_MIN_VERIFIED or self._verify_calls % DROP_EXPLORE_EVERY == 0:
+        if self._ver[0] < DROP_MIN_VERIFIED:
             return None
-        return self.prefix_acceptance(g)
+        values = self.prefix_acceptance(g)
+        if self._verify_calls % DROP_EXPLORE_EVERY == 0 and values:
+            values[0] = 1.0
+        return values
 
     def seconds_per_token(self, d: int):
         """Seconds per emitted token at depth d: its measured iteration time over its expected
@@ -171,12 +186,21 @@ class DraftPolicy:
             self._left -= 1
             return self._cur
         if self._probe is not None:                 # a probe block ended: did it win?
+            verdict = self._verdict(self._probe, self._from)
+            if verdict == "unsure" and len(self._block) < MAX_PROBE:
+                self._left = self.probe_block - 1   # not told yet: more of the probe
+                return self._cur
             probe, self._probe = self._probe, None
-            won = self._probe_wins(probe, self._from)
+            # still unsure after MAX_PROBE: the shallower depth, which spends less on drafts that
+            # may not pay (a probe down wins, a probe up loses)
+            won = verdict == "win" or (verdict == "unsure" and probe < self._from)
             up = probe > self._from
             # a win: soon one more step the same way; a loss: wait longer, then try the other way
             self._up = up if won else not up
-            self.probe_gap = self.first_probe_gap if won else min(4 * self.probe_gap, self.max_probe_gap)
+            if won:
+                self.probe_gap = self.first_probe_gap
+            elif verdict == "lose":                 # unsure: no slower than before, try again as soon
+                self.probe_gap = min(4 * self.probe_gap, self.max_probe_gap)
             self._cur = probe if won else self._from
             if won:                                 # its cost from now on: fresh samples only
                 self._recent[probe] = list(self._block)
@@ -194,15 +218,27 @@ class DraftPolicy:
                 self._block, self._settle = [], SETTLE_PROBE
         return self._cur
 
-    def _probe_wins(self, probe: int, incumbent: int) -> bool:
-        """Seconds per token of the probe block (the median of its iterations) against the
-        incumbent's (the median of its last iterations before the probe), both measured within
-        the last few dozen iterations; the probe must win by the margin."""
+    def _verdict(self, probe: int, incumbent: int) -> str:
+        """'win', 'lose' or 'unsure': seconds per token of the probe block (the median of its
+        iterations) against the incumbent's (the median of its last iterations before the probe),
+        both measured within the last few dozen iterations; the probe must win by the margin. A
+        difference within the noise of the two medians (their spread, 1.48 x the median absolute
+        deviation, over the square root of the samples) is 'unsure': on a host whose iterations
+        vary with their expert reads, four samples cannot tell a few percent."""
         if not self._block:
-            return False
-        probe_s = statistics.median(self._block) / self.expected_tokens(probe)
-        inc = self.seconds_per_token(incumbent)
-        return inc is None or probe_s < inc * (1 - self.margin)
+            return "lose"
+        inc = self._recent.get(incumbent)
+        if not inc:
+            return "win"
+        ep, ei = self.expected_tokens(probe), self.expected_tokens(incumbent)
+        p = [t / ep for t in self._block]
+        i = [t / ei for t in inc]
+        mp, mi = statistics.median(p), statistics.median(i)
+        bar = mi * (1 - self.margin)
+        spread = ((_mad(p) ** 2) / len(p) + (_mad(i) ** 2) / len(i)) ** 0.5
+        if abs(mp - bar) <= NOISE_Z * spread:
+            return "unsure"
+        return "win" if mp < bar else "lose"
 
     # -- measurements ---------------------------------------------------------------------------
 

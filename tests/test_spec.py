@@ -304,6 +304,39 @@ def simulate(pol, n, accept, seconds, seed):
     return depths
 
 
+def _noisy(base, rng):
+    """An iteration's seconds on a host whose iterations vary with their expert reads: most near
+    base, one in five several times slower."""
+    return base * rng.lognormal(0.0, 0.25) * (3.0 if rng.random() < 0.2 else 1.0)
+
+
+def _auto_vs_best(accept, row_cost, seed):
+    """auto on the noisy host for 400 iterations: drafts accepted with probability `accept`, each
+    verify row costing row_cost of a step. Its expected seconds per token against the best fixed
+    depth's (1.0: as good as the best)."""
+    rng = np.random.default_rng(seed)
+    depths = simulate(DraftPolicy("auto"), 400, accept, lambda i, d, _: _noisy(0.03 * (1 + d * row_cost), rng),
+                      seed=seed)
+    spt = [(1 + d * row_cost) / sum(accept ** r for r in range(d + 1)) for d in range(5)]
+    return min(spt) / np.mean([spt[d] for d in depths])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auto_is_not_fooled_by_noise_when_drafts_do_not_pay(seed):
+    """Drafts that do not pay (three in ten accepted, a draft row costs a third of a step: depth 1
+    is 2% slower per token than depth 0, depth 2 19%) on a host whose iteration times vary by a
+    factor of several: a probe's verdict within the noise is no win, so auto stays within 5% of
+    depth 0 (a policy that believed four noisy samples wandered to depths 3-4: 0.79)."""
+    assert _auto_vs_best(0.3, 1 / 3, seed) >= 0.95
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auto_finds_a_clear_win_through_noise(seed):
+    """The same noise, drafts accepted 9 in 10 and cheap verify rows: auto climbs towards depth 4
+    (the first hundred iterations included)."""
+    assert _auto_vs_best(0.9, 0.1, seed) >= 0.75
+
+
 def test_auto_finds_the_best_depth():
     depths = simulate(DraftPolicy("auto"), 300, 0.8, lambda i, d, _: 0.010 + 0.001 * d, seed=0)  # cheap verify
     assert np.mean(depths[-100:]) >= 2.5
