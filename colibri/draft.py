@@ -10,11 +10,12 @@ drafts follow it). It runs one depth (the incumbent) and climbs: now and then it
 up (after a loss, one down) for a short block of iterations, and only a probe's verdict changes the
 depth. The verdict compares costs measured close together - the probe block's iterations against
 the incumbent's own last ones - so a figure measured minutes ago (a cold cache after load, the
-host's slower minute) never decides against a fresh one. A verdict within the noise of the two medians
-(iterations that wait on expert reads vary by a factor of several) extends the probe, up to
-MAX_PROBE iterations; still unsure, the shallower depth is kept, and the next probe comes as soon. The SETTLE iterations after a losing
-probe (whose verify rows evicted experts they need), the first ones of a generation (after the
-prefill's loads) and the first of a probe (the incumbent's cache state) are not taken as costs.
+host's slower minute) never decides against a fresh one. A verdict within the noise of the two
+medians (iterations that wait on expert reads vary by a factor of several) extends the probe, up to
+MAX_PROBE iterations; still unsure, the shallower depth is kept and the next probe comes as soon.
+The SETTLE iterations after a losing probe (whose verify rows evicted experts they need), the first
+ones of a generation (after the prefill's loads) and the first of a probe (the incumbent's cache
+state) are not taken as costs.
 A probe that wins becomes the depth and the next step that way comes soon; a probe that loses
 quadruples the gap to the next one, so a useless head costs a few iterations per generation and a
 useful one is found within the first few dozen tokens; the pooled acceptance keeps a short probe's
