@@ -132,17 +132,19 @@ def test_a_prefetch_that_pays_in_reads_is_judged_by_its_time():
 
 def test_the_engine_turns_off_a_prefetch_with_nothing_to_load():
     """Experts kept in memory once used (the kept tier): the lookahead soon finds nothing to read,
-    so auto turns it off; the tokens are those of prefetch off."""
+    so auto turns it off; the tokens are those of prefetch off. (96 tokens: the first windows measure
+    both settings and their time may favour either; the probes after the first lost window then
+    take fewer and fewer iterations, so only a longer decode shows them few.)"""
     from colibri.models import default_model_dir
     prompt = [3, 14, 15, 92, 65]
     m = model_init(default_model_dir(), cache_experts=1, prefetch="auto")
     m.lookahead = PrefetchPolicy("auto", window=2, counters=m.lookahead.counters)
     m.cache.set_keep_bytes(10 ** 9)
-    auto, _ = decode(m, prompt, 40, 0)
+    auto, _ = decode(m, prompt, 96, 0)
     s = m.lookahead.stats()
     assert s["prefetch_windows_lost_on_reads"] >= 1
     assert s["prefetch_on_iterations"] < s["prefetch_off_iterations"] / 3
     off = model_init(default_model_dir(), cache_experts=1, prefetch="off")
-    assert decode(off, prompt, 40, 0)[0] == auto
+    assert decode(off, prompt, 96, 0)[0] == auto
     m.close()
     off.close()
