@@ -45,7 +45,7 @@ ACCEPT_DECAY = 0.99         # per verified draft: the acceptance follows the tex
 MAX_PROBE = 16              # iterations a probe may run while its verdict is within the noise
 NOISE_Z = 1.0               # ... the noise: this many spreads of the difference of the medians
 DROP_MIN_VERIFIED = 8       # drafts verified at position 1 before a verify forward may drop rows
-DROP_EXPLORE_EVERY = 8      # ... and every 8th verify forward keeps all of them regardless
+DROP_EXPLORE_EVERY = 8      # ... and every 8th verify forward tests the first draft regardless
 
 
 def _mad(xs) -> float:
@@ -162,12 +162,6 @@ class DraftPolicy:
             values[0] = 1.0
         return values
 
-    def seconds_per_token(self, d: int):
-        """Seconds per emitted token at depth d: its measured iteration time over its expected
-        tokens (None: not measured)."""
-        c = self.iteration_seconds(d)
-        return None if c is None else c / self.expected_tokens(d)
-
     def iteration_seconds(self, d: int):
         """The median of depth d's last RECENT iterations (None: never run)."""
         r = self._recent.get(d)
@@ -198,14 +192,13 @@ class DraftPolicy:
             up = probe > self._from
             # a win: soon one more step the same way; a loss: wait longer, then try the other way
             self._up = up if won else not up
+            self._cur = probe if won else self._from
             if won:
                 self.probe_gap = self.first_probe_gap
-            elif verdict == "lose":                 # unsure: no slower than before, try again as soon
-                self.probe_gap = min(4 * self.probe_gap, self.max_probe_gap)
-            self._cur = probe if won else self._from
-            if won:                                 # its cost from now on: fresh samples only
-                self._recent[probe] = list(self._block)
+                self._recent[probe] = list(self._block)     # its cost from now on: fresh samples only
             else:
+                if verdict == "lose":               # unsure: no slower than before, try again as soon
+                    self.probe_gap = min(4 * self.probe_gap, self.max_probe_gap)
                 self._settle = SETTLE
         self._since += 1
         if self._since >= self.probe_gap and self._settle == 0:    # not while the incumbent settles
