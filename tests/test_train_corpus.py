@@ -70,3 +70,28 @@ def test_distinct_ngrams_measures_loops():
     assert tt.distinct_ngrams([5, 6]) == 1.0                             # shorter than one 4-gram
     half = list(range(50)) + [7, 8, 9, 10] * 13
     assert 0.4 < tt.distinct_ngrams(half) < 0.6
+
+
+def test_repeat_marks_flag_the_tokens_a_loop_repeats():
+    """The unlikelihood fine-tuning penalises exactly the continuation tokens that lie inside a
+    4-gram seen earlier in the row (prefix included), never prefix tokens."""
+    import numpy as np
+    x = np.array([[1, 2, 3, 4, 5, 1, 2, 3, 4, 9, 1, 2, 3, 4],
+                  [1, 2, 3, 4, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11]])
+    m = tt.repeat_marks(x, 2, 4)
+    assert m[0].tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1]
+    assert m[1].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0]
+    assert not tt.repeat_marks(x, 6, 4)[:, :6].any()                      # prefix never marked
+    assert not tt.repeat_marks(np.arange(40)[None], 0, 4).any()           # no repeat, no mark
+
+
+def test_line_prefixes_are_whole_top_level_def_and_class_lines():
+    import numpy as np
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(ROOT / "colibri" / "models" / "default" / "tokenizer.json"))
+    text = ("import os\n\n\ndef alpha(x, y):\n    def inner(z):\n        return z\n    return x\n\n"
+            "class Beta(object):\n    pass\n<|endoftext|>def gamma():\n    return 1\n")
+    ids = np.asarray(tok.encode(text).ids)
+    got = tt.line_prefixes(tok, np.concatenate([ids] * 8), 32)            # >= 8 lines of a length kept
+    lines = {tok.decode(ids[s % len(ids):s % len(ids) + L].tolist()) for L, v in got.items() for s in v}
+    assert lines == {"def alpha(x, y):", "class Beta(object):", "def gamma():"}    # not the indented def

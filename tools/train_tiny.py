@@ -840,6 +840,59 @@ def param_groups(modules, wd):
     return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def sample_windows(rng, std, pkg, share, B, T):
+    """[B, T+1] training windows at random offsets, each from the stdlib stream with probability share."""
+    torch = _torch()
+    src = [std if u < share else pkg for u in rng.random(B)]
+    starts = [int(rng.integers(0, len(a) - T - 1)) for a in src]
+    return torch.from_numpy(np.stack([a[s:s + T + 1] for a, s in zip(src, starts)]).astype(np.int64))
+
+
+def joint_objective(lm, head, x, mon, tr, bf16=False):
+    """(loss, main CE, MTP CE, MTP KL, balance loss) of windows x [B, T+1]: the training objective."""
+    torch = _torch()
+    mon.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits, mlog = fast_logits(lm, head, x, mon)
+        main, mtp = cross_entropies(logits, mlog, x)
+        kl = mtp_kl(logits, mlog) if tr["mtp_distill"] else torch.zeros(())
+    aux = torch.stack(mon.aux).mean() if mon.aux else torch.zeros(())
+    loss = main + tr["mtp_lambda"] * mtp + tr["balance_alpha"] * aux + tr["mtp_distill"] * kl
+    return loss, main, mtp, kl, aux
+
+
+def optimizer_step(opt, loss, clip):
+    """backward, gradient clipping, AdamW step; returns the gradient norm before clipping."""
+    torch = _torch()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gn = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
+    opt.step()
+    return gn
+
+
+def save_state(path, lm, head, opt, rng, step, elapsed, **extra):
+    """The resumable state (weights, optimizer, rng, step, wall time so far, extra) written atomically."""
+    torch = _torch()
+    st = {"lm": lm.state_dict(), "head": head.state_dict(), "opt": opt.state_dict(),
+          "rng": rng.bit_generator.state, "step": step, "elapsed": elapsed, **extra}
+    torch.save(st, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    if os.environ.get("TRAIN_TINY_STOP_AT") == str(step):      # test hook for --resume
+        raise SystemExit(f"stopped at step {step} (TRAIN_TINY_STOP_AT)")
+
+
+def load_state(path, lm, head, opt, rng) -> dict:
+    torch = _torch()
+    st = torch.load(path, weights_only=False)
+    lm.load_state_dict(st["lm"])
+    head.load_state_dict(st["head"])
+    opt.load_state_dict(st["opt"])
+    rng.bit_generator.state = st["rng"]
+    log(f"resumed from {path} at step {st['step']} ({st['elapsed'] / 60:.1f} min so far)")
+    return st
+
+
 def cmd_train(args):
     torch = _torch()
     torch.set_num_threads(args.threads)
@@ -900,43 +953,21 @@ def cmd_train(args):
     state_path = args.out.rstrip("/") + ".state.pt"
     first = 0
     if args.resume and os.path.exists(state_path):
-        st = torch.load(state_path, weights_only=False)
-        lm.load_state_dict(st["lm"])
-        head.load_state_dict(st["head"])
-        opt.load_state_dict(st["opt"])
-        rng.bit_generator.state = st["rng"]
+        st = load_state(state_path, lm, head, opt, rng)
         first, tok_seen, curve = st["step"], st["tok_seen"], st["curve"]
         t_train = time.time() - st["elapsed"]
-        log(f"resumed from {state_path} at step {first} ({st['elapsed'] / 60:.1f} min of training so far)")
     for step in range(first, steps):
         if args.bench is None and step > first and step % tr["save_every"] == 0:
-            st = {"lm": lm.state_dict(), "head": head.state_dict(), "opt": opt.state_dict(),
-                  "rng": rng.bit_generator.state, "step": step, "tok_seen": tok_seen, "curve": curve,
-                  "elapsed": time.time() - t_train}
-            torch.save(st, state_path + ".tmp")
-            os.replace(state_path + ".tmp", state_path)
-            if os.environ.get("TRAIN_TINY_STOP_AT") == str(step):      # test hook for --resume
-                raise SystemExit(f"stopped at step {step} (TRAIN_TINY_STOP_AT)")
+            save_state(state_path, lm, head, opt, rng, step, time.time() - t_train, tok_seen=tok_seen, curve=curve)
         if time.time() - t_train > 60 * tr["max_minutes"]:
             stopped_early = step
             log(f"WARNING: wall-clock cap of {tr['max_minutes']} min reached at step {step}; stopping")
             break
-        src = [train_std if u < share else train_pkg for u in rng.random(B)]
-        starts = [int(rng.integers(0, len(a) - T - 1)) for a in src]
-        x = torch.from_numpy(np.stack([a[s:s + T + 1] for a, s in zip(src, starts)]).astype(np.int64))
+        x = sample_windows(rng, train_std, train_pkg, share, B, T)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, tr)
-        mon.reset()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            logits, mlog = fast_logits(lm, head, x, mon)
-            main, mtp = cross_entropies(logits, mlog, x)
-            kl = mtp_kl(logits, mlog) if tr["mtp_distill"] else torch.zeros(())
-        aux = torch.stack(mon.aux).mean() if mon.aux else torch.zeros(())
-        loss = main + tr["mtp_lambda"] * mtp + tr["balance_alpha"] * aux + tr["mtp_distill"] * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], tr["grad_clip"])
-        opt.step()
+        loss, main, mtp, kl, aux = joint_objective(lm, head, x, mon, tr, args.bf16)
+        gn = optimizer_step(opt, loss, tr["grad_clip"])
         mon.update_bias(tr["bias_update"])
         tok_seen += B * T
         if step % tr["log_every"] == 0 or step == steps - 1 or args.bench is not None:
@@ -1107,6 +1138,235 @@ def heldout_prompts(n=N_PROMPTS):
         if len(out) == n:
             break
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Fine-tuning against greedy loops: sequence-level unlikelihood (Welleck et al., 2019)
+# ----------------------------------------------------------------------------------------------
+#
+# A small model's greedy decoding falls into loops (`import os` x26): at each step its argmax
+# repeats an n-gram it produced before. Half of the fine-tuning steps are the training objective
+# on corpus windows; the other half continue top-level `def`/`class` lines of the training files
+# greedily with the current weights and penalise, at every continuation token inside a 4-gram
+# that occurred earlier in the sequence, the probability the model gave it:
+#
+#     UL = -1/N * sum_{t in continuation, t in a repeated 4-gram} log(1 - p(x_t | x_<t))
+#
+# (N: continuation tokens). Only the repeats the model itself would decode greedily are pushed
+# down; the corpus steps keep the held-out loss. The MTP head follows the main model on both
+# (its KL term), so its drafts stay accepted.
+
+TUNE = dict(
+    steps=420,
+    lr=3e-4,
+    min_lr_frac=0.1,
+    warmup=20,
+    ul_share=0.5,                       # share of steps that are unlikelihood steps
+    ul_batch=8,                         # greedy continuations per unlikelihood step
+    ul_new=128,                         # tokens generated per continuation (the eval's length)
+    ul_ngram=4,
+    ul_max_prefix=32,                   # longest def/class line used as a prefix (tokens)
+    ul_window_share=0.25,               # unlikelihood prefixes taken at a random corpus offset instead
+    eval_every=60,
+    log_every=10,
+    max_minutes=60,
+)
+
+
+def line_prefixes(tok, stream, max_len):
+    """{length: array of start offsets} of the top-level `def` / `class` lines of a token stream:
+    the keyword token right after a newline (or <|endoftext|>), up to the first token holding a
+    newline; lines of 3..max_len tokens."""
+    vocab = tok.get_vocab_size()
+    has_nl = np.array(["\u010a" in (tok.id_to_token(i) or "") for i in range(vocab)])   # byte-level '\n'
+    kw = [tok.token_to_id(w) for w in ("def", "class")]
+    eos = tok.token_to_id(EOS)
+    s = stream.astype(np.int64)
+    at_kw = np.isin(s[1:], kw) & (has_nl[s[:-1]] | (s[:-1] == eos))
+    starts = np.flatnonzero(at_kw) + 1
+    nl = np.flatnonzero(has_nl[s])
+    ends = nl[np.minimum(np.searchsorted(nl, starts), len(nl) - 1)]
+    lens = ends - starts
+    out = {}
+    for L in range(3, max_len + 1):
+        sel = starts[lens == L]
+        if len(sel) >= 8:
+            out[L] = sel
+    return out
+
+
+def repeat_marks(x, start, n):
+    """x [B, S] int -> [B, S] bool: positions >= start that lie inside an n-gram which occurred
+    earlier in the same row (the tokens a loop repeats)."""
+    B, S = x.shape
+    m = np.zeros((B, S), dtype=bool)
+    for b in range(B):
+        seen = set()
+        row = x[b].tolist()
+        for t in range(n - 1, S):
+            g = tuple(row[t - n + 1:t + 1])
+            if g in seen and t >= start:
+                m[b, max(start, t - n + 1):t + 1] = True
+            seen.add(g)
+    return m
+
+
+def greedy_continue(lm, prefix, n):
+    """prefix [B, P] -> [B, P + n]: greedy continuations by transformers' generate (KV cache),
+    never stopping early (<|endoftext|> is just a token here)."""
+    torch = _torch()
+    with torch.no_grad():
+        x = lm.generate(input_ids=prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=n,
+                        do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert x.shape == (prefix.shape[0], prefix.shape[1] + n), x.shape
+    return x
+
+
+def ul_prefixes(rng, lines, std, pkg, share, tu):
+    """[B, P] prefixes for one unlikelihood step: B top-level def/class lines of one length (so the
+    batch needs no padding), or B random corpus windows of a random length."""
+    torch = _torch()
+    B = tu["ul_batch"]
+    if rng.random() < tu["ul_window_share"]:
+        P = int(rng.integers(8, tu["ul_max_prefix"] + 1))
+        return sample_windows(rng, std, pkg, share, B, P - 1)
+    src = int(rng.random() >= share)
+    L = int(rng.choice(sorted(lines[src])))
+    starts = rng.choice(lines[src][L], size=B, replace=len(lines[src][L]) < B)
+    a = (std, pkg)[src]
+    return torch.from_numpy(np.stack([a[s:s + L] for s in starts]).astype(np.int64))
+
+
+def unlikelihood_objective(lm, head, x, P, mon, tr, tu):
+    """(loss, UL, share of continuation tokens in repeated n-grams, MTP KL) for sequences x [B, S]
+    whose first P tokens are the prefix."""
+    torch = _torch()
+    F = torch.nn.functional
+    marks = torch.from_numpy(repeat_marks(x.numpy(), P, tu["ul_ngram"]))
+    mon.reset()
+    logits, mlog = fast_logits(lm, head, x, mon)                  # [B, S-1, V] predicts x[:, 1:]
+    lp = F.log_softmax(logits.float(), dim=-1).gather(-1, x[:, 1:, None])[..., 0]
+    one_minus = (-torch.expm1(lp)).clamp_min(1e-5)                 # 1 - p(x_t), without cancellation
+    m = marks[:, 1:].float()
+    n_cont = x.shape[0] * (x.shape[1] - P)
+    ul = -(torch.log(one_minus) * m).sum() / n_cont
+    kl = mtp_kl(logits, mlog) if tr["mtp_distill"] else torch.zeros(())
+    aux = torch.stack(mon.aux).mean() if mon.aux else torch.zeros(())
+    loss = ul + tr["mtp_distill"] * kl + tr["balance_alpha"] * aux
+    return loss, ul, float(m.sum()) / n_cont, kl
+
+
+def models_from_container(container, work):
+    """HF main model + MTP head holding a container's weights dequantized to f32 (the tensor names and
+    shapes from a freshly initialised checkpoint of MODEL written to WORK first)."""
+    from transformers import GlmMoeDsaForCausalLM
+    _torch().manual_seed(SEED)
+    cfg = build_config()
+    lm, head = GlmMoeDsaForCausalLM(cfg), make_mtp_head(cfg)
+    save_checkpoint(lm, head, load_tokenizer(container), work, meta={})
+    return models_from_state(work, dequantized_state(container, work))
+
+
+def base_meta(args) -> dict:
+    """The training metadata of the model being tuned: SRC's train_meta.json, else the container's."""
+    for d in (args.base_meta, os.path.join(args.model, "train_meta.json")):
+        if d and os.path.exists(d):
+            with open(d) as f:
+                meta = json.load(f)
+            meta.pop("tune", None)
+            return meta
+    raise SystemExit(f"no training metadata: give --base-meta (the train_meta.json of {args.model}'s training)")
+
+
+def cmd_tune(args):
+    """Fine-tune a container's weights (dequantized) against greedy loops; f32 checkpoint in --out."""
+    torch = _torch()
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
+    tr, tu = dict(TRAIN), dict(TUNE)
+    for k in ("steps", "lr", "ul_share", "max_minutes"):
+        if getattr(args, k) is not None:
+            tu[k] = getattr(args, k)
+    meta = base_meta(args)
+    tok, streams, man = prepare_data(args.out, args.wheels)
+    if tok.to_str() != load_tokenizer(args.model).to_str():
+        raise SystemExit(f"{args.model}'s tokenizer is not the one prepare_data trains: not this corpus's model")
+    std, pkg, held = streams["std_train"], streams["pkg_train"], streams["std_held"]
+    lines = [line_prefixes(tok, a, tu["ul_max_prefix"]) for a in (std, pkg)]
+    log(f"unlikelihood prefixes: {sum(len(v) for v in lines[0].values())} stdlib and "
+        f"{sum(len(v) for v in lines[1].values())} package def/class lines")
+    lm, head = models_from_container(args.model, args.out.rstrip("/") + ".init")
+    lm.train(); head.train()
+    E, K = lm.config.n_routed_experts, lm.config.num_experts_per_tok
+    routers = [m for m in list(lm.modules()) + list(head.modules()) if isinstance(m, hf.GlmMoeDsaTopkRouter)]
+    mon = RouterMonitor(routers, E, K)
+    opt = torch.optim.AdamW(param_groups([lm, head], tr["weight_decay"]), lr=tu["lr"], betas=tr["betas"], eps=1e-8)
+    rng = np.random.default_rng(SEED + 1)
+    T, B = tr["seq_len"], tr["batch"]
+    lm.eval(); head.eval()
+    h0, t0_, _ = eval_loss(lm, head, held, T, limit=tr["eval_windows"], fast=True)
+    lm.train(); head.train()
+    log(f"start ({args.model}, dequantized): held-out ({tr['eval_windows']} windows) main {h0:.4f} mtp {t0_:.4f}")
+    curve, first, t_run = [{"step": 0, "heldout_subset_loss": round(h0, 4)}], 0, time.time()
+    state_path = args.out.rstrip("/") + ".state.pt"
+    if args.resume and os.path.exists(state_path):
+        st = load_state(state_path, lm, head, opt, rng)
+        first, curve, t_run = st["step"], st["curve"], time.time() - st["elapsed"]
+    sched = dict(tr, lr=tu["lr"], min_lr_frac=tu["min_lr_frac"], warmup=tu["warmup"], steps=tu["steps"])
+    recent = {"ce": [], "ul": [], "rep": []}
+    steps = tu["steps"]
+    for step in range(first, tu["steps"]):
+        if step > first and step % tr["save_every"] == 0:
+            save_state(state_path, lm, head, opt, rng, step, time.time() - t_run, curve=curve)
+        if time.time() - t_run > 60 * tu["max_minutes"]:
+            log(f"WARNING: wall-clock cap of {tu['max_minutes']} min reached at step {step}; stopping")
+            steps = step
+            break
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, sched)
+        if rng.random() < tu["ul_share"]:
+            prefix = ul_prefixes(rng, lines, std, pkg, tr["stdlib_share"], tu)
+            lm.eval()
+            x = greedy_continue(lm, prefix, tu["ul_new"])
+            lm.train()
+            loss, ul, rep, kl = unlikelihood_objective(lm, head, x, prefix.shape[1], mon, tr, tu)
+            recent["ul"].append(float(ul)); recent["rep"].append(rep)
+        else:
+            x = sample_windows(rng, std, pkg, tr["stdlib_share"], B, T)
+            loss, main, mtp, kl, aux = joint_objective(lm, head, x, mon, tr)
+            recent["ce"].append(float(main))
+            mon.update_bias(tr["bias_update"])              # router loads of corpus text only
+        optimizer_step(opt, loss, tr["grad_clip"])
+        last = step == tu["steps"] - 1
+        if (step + 1) % tu["log_every"] == 0 or last:
+            el = time.time() - t_run
+            row = {"step": step + 1, "elapsed_s": round(el, 1)}
+            for k in recent:
+                if recent[k]:
+                    row[k] = round(float(np.mean(recent[k])), 4)
+            recent = {k: [] for k in recent}
+            if (step + 1) % tu["eval_every"] == 0 or last:
+                lm.eval(); head.eval()
+                hm, ht, _ = eval_loss(lm, head, held, T, limit=tr["eval_windows"], fast=True)
+                lm.train(); head.train()
+                row.update(heldout_subset_loss=round(hm, 4), heldout_subset_mtp=round(ht, 4))
+            curve.append(row)
+            log(f"step {step + 1:4d} | " + " ".join(f"{k} {v}" for k, v in row.items() if k != "step")
+                + f" | lr {lr_at(step, sched):.2e} | {el / 60:.1f} min")
+    tune_s = time.time() - t_run
+    lm.eval(); head.eval()
+    meta["tune"] = {"from": os.path.relpath(os.path.abspath(args.model), ROOT), "params": tu, "steps": steps,
+                    "seconds": round(tune_s, 1), "curve": curve, "seed": SEED + 1,
+                    "start_heldout_subset_loss": round(h0, 4)}
+    lm2 = save_checkpoint(lm, head, tok, args.out, meta)
+    _, head2 = load_checkpoint(args.out)
+    hm, ht, nw = eval_loss(lm2, head2, held, T, fast=True)
+    meta["tune"].update(heldout_loss=round(hm, 4), heldout_mtp_loss=round(ht, 4), heldout_windows=nw)
+    write_json(os.path.join(args.out, "train_meta.json"), meta)
+    log(f"tuned {steps} steps in {tune_s / 60:.1f} min; held-out ({nw} windows): main {hm:.4f} "
+        f"(ppl {math.exp(hm):.2f}), MTP {ht:.4f}; saved {args.out}")
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1447,6 +1707,34 @@ def _fence(text):
     return "```python\n" + text.rstrip("\n") + "\n```"
 
 
+def render_tune(meta, tr) -> list:
+    """The model card's fine-tuning section (none when the model was not tuned)."""
+    tn = meta.get("tune")
+    if not tn:
+        return []
+    pu = tn["params"]
+    L = ["\n## Fine-tuning against greedy loops\n"]
+    L.append(f"`tools/train_tiny.py tune`: the int4 container of the training above, dequantized to f32, fine-tuned "
+             f"{tn['steps']} steps ({tn['seconds'] / 60:.1f} min, AdamW lr {pu['lr']} cosine to {pu['min_lr_frac']}×, "
+             f"seed {tn['seed']}). A share of {pu['ul_share']} of the steps is sequence-level unlikelihood (Welleck et "
+             f"al., 2019): {pu['ul_batch']} prefixes from the training files (top-level `def`/`class` lines, or with "
+             f"probability {pu['ul_window_share']} a random corpus window) are continued greedily by the current "
+             f"weights for {pu['ul_new']} tokens, and every continuation token inside a {pu['ul_ngram']}-gram that "
+             "occurred earlier in its sequence adds −log(1 − p(token)) to the loss; the MTP head follows the main "
+             f"model on those sequences (its KL term). The other steps are the training objective above on corpus "
+             f"windows of {tr['batch']} × {tr['seq_len']}. `rep` is the share of continuation tokens inside a "
+             "repeated 4-gram (training prefixes, the tuned weights of that moment); held-out loss on the first "
+             f"{tr['eval_windows']} held-out windows.")
+    L.append(f"- Held-out stdlib loss after tuning (all {tn['heldout_windows']} windows, f32): main "
+             f"**{tn['heldout_loss']:.4f} (perplexity {math.exp(tn['heldout_loss']):.1f})**, MTP (t+2) "
+             f"{tn['heldout_mtp_loss']:.4f}.\n")
+    rows = [[c["step"], c.get("ce", "–"), c.get("ul", "–"), c.get("rep", "–"), c.get("heldout_subset_loss", "–"),
+             f"{c.get('elapsed_s', 0) / 60:.1f}"] for c in tn["curve"]
+            if "heldout_subset_loss" in c or c is tn["curve"][-1]]
+    L.append(_md_table(["step", "corpus CE", "unlikelihood", "rep", "held-out (subset)", "minutes"], rows))
+    return L
+
+
 def render_card(meta, res, cfg, manifest, model_bytes) -> str:
     """MODEL_CARD.md from train_meta.json, the eval results and the container's config/manifest."""
     L = []
@@ -1512,6 +1800,7 @@ def render_card(meta, res, cfg, manifest, model_bytes) -> str:
     pts = [c for c in meta["curve"] if c["step"] % 100 == 0 or c is meta["curve"][-1]]
     L.append(_md_table(["step", "train loss", "MTP loss", "minutes"],
                        [[c["step"], c["loss"], c["mtp_loss"], f"{c['elapsed_s'] / 60:.1f}"] for c in pts]))
+    L.extend(render_tune(meta, tr))
     L.append("\nThe packages (name, version, license as their metadata states it):\n")
     L.append(_md_table(["package", "version", "license"],
                        [[x["name"], x["version"], x["license"]] for x in cm["packages"]]))
@@ -1589,8 +1878,13 @@ def render_card(meta, res, cfg, manifest, model_bytes) -> str:
     L.append("## Rebuild\n")
     L.append("```sh\npip install torch==2.13.0 transformers\n"
              "nice -n 5 python tools/train_tiny.py train --out /tmp/colibri_tiny_f32   # --resume continues a stopped run\n"
-             "python tools/train_tiny.py convert --bits 4\npython tools/train_tiny.py ref\n"
-             "python tools/train_tiny.py eval\npython tools/train_tiny.py card\n```\n")
+             "python tools/train_tiny.py convert --bits 4\n"
+             + ("nice -n 5 python tools/train_tiny.py tune --out /tmp/colibri_tiny_tuned   # --resume too\n"
+                "python tools/train_tiny.py convert --src /tmp/colibri_tiny_tuned --bits 4\n"
+                "python tools/train_tiny.py ref --src /tmp/colibri_tiny_tuned\n"
+                "python tools/train_tiny.py eval --src /tmp/colibri_tiny_tuned\n"
+                "python tools/train_tiny.py card --src /tmp/colibri_tiny_tuned\n```\n" if meta.get("tune") else
+                "python tools/train_tiny.py ref\npython tools/train_tiny.py eval\npython tools/train_tiny.py card\n```\n"))
     L.append("`train` downloads the pinned wheels (no dependencies) with pip into `--wheels` and keeps the "
              "tokenizer and token streams in `OUT.data/` and the training state in `OUT.state.pt` (every "
              f"{tr['save_every']} steps), so an interrupted run continues where it stopped. The weights depend "
@@ -1683,6 +1977,17 @@ def main(argv=None):
     k.add_argument("--src", default=DEFAULT_OUT)
     k.add_argument("--model", default=PKG_MODEL)
     k.add_argument("--results", default="/tmp/colibri_tiny_eval.json")
+    u = sub.add_parser("tune", help="fine-tune a container's weights against greedy loops (unlikelihood)")
+    u.add_argument("--model", default=PKG_MODEL, help="the container whose weights are tuned")
+    u.add_argument("--out", default="/tmp/colibri_tiny_tuned", help="the tuned f32 checkpoint")
+    u.add_argument("--base-meta", default=None,
+                   help="train_meta.json of the model's training (default: the container's own)")
+    u.add_argument("--wheels", default=DEFAULT_WHEELS)
+    u.add_argument("--threads", type=int, default=2)
+    u.add_argument("--resume", action="store_true", help="continue from OUT.state.pt")
+    for k, typ in (("steps", int), ("lr", float), ("ul_share", float), ("max_minutes", float)):
+        u.add_argument("--" + k.replace("_", "-"), dest=k, type=typ, default=None,
+                       help=f"default {TUNE[k]}")
     a = sub.add_parser("all", help="train (--resume), convert, ref, eval and card in one go")
     a.add_argument("--out", default=DEFAULT_OUT)
     a.add_argument("--wheels", default=DEFAULT_WHEELS)
@@ -1690,7 +1995,7 @@ def main(argv=None):
     a.add_argument("--steps", type=int, default=None, help=f"training steps (default {TRAIN['steps']})")
     args = ap.parse_args(argv)
     return {"all": cmd_all, "train": cmd_train, "convert": cmd_convert, "ref": cmd_ref, "eval": cmd_eval,
-            "card": cmd_card}[args.cmd](args)
+            "card": cmd_card, "tune": cmd_tune}[args.cmd](args)
 
 
 if __name__ == "__main__":
