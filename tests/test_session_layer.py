@@ -164,7 +164,7 @@ def test_run_stop_string_cuts_the_text(tmp_path):
     stats = tmp_path / "s.json"
     p = colibri("run", "def add(a, b):", "-n", 40, "-t", 0, "--ignore-eos", "--stop", "@@never@@", "--stop", cut,
                 "--stats-json", stats)
-    assert p.stdout.rstrip("\n") == whole[:at]
+    assert p.stdout.rstrip("\n") == whole[:at].rstrip("\n")     # run ends its output with one newline
     assert "stopped: stop string" in p.stderr
     s = json.loads(stats.read_text())
     assert (s["finish_reason"], s["stopped_by"]) == ("stop", "stop")
