@@ -95,3 +95,29 @@ def test_line_prefixes_are_whole_top_level_def_and_class_lines():
     got = tt.line_prefixes(tok, np.concatenate([ids] * 8), 32)            # >= 8 lines of a length kept
     lines = {tok.decode(ids[s % len(ids):s % len(ids) + L].tolist()) for L, v in got.items() for s in v}
     assert lines == {"def alpha(x, y):", "class Beta(object):", "def gamma():"}    # not the indented def
+
+
+def test_tune_rounds_chain_and_the_card_rebuilds_each(tmp_path):
+    """A tuning round starts from the container of the round before: base_meta keeps the rounds that
+    made the container (older metadata holds one round as a dict), refuses a round number that does
+    not follow them, and the card's recipe lists every round in order."""
+    import argparse
+    import json
+    meta = {"train": {}, "tune": {"steps": 420, "params": {}}}           # one round, the older layout
+    (tmp_path / "train_meta.json").write_text(json.dumps(meta))
+    args = argparse.Namespace(base_meta=str(tmp_path / "train_meta.json"), model=str(tmp_path), round=2)
+    got = tt.base_meta(args)
+    assert got["tune"] == [meta["tune"]]
+    args.round = 1
+    assert tt.base_meta(args)["tune"] == []                              # round 1 again: from the training
+    args.round = 3
+    try:
+        tt.base_meta(args)
+        raise AssertionError("round 3 accepted after one round")
+    except SystemExit as e:
+        assert "--round 3" in str(e)
+    recipe = tt.rebuild_commands({"tune": [{"round": 1}, {"round": 2}]})
+    r1, r2 = recipe.index("tune --round 1"), recipe.index("tune --round 2")
+    assert r1 < recipe.index("convert --src /tmp/colibri_tiny_tuned1") < r2
+    assert "--base-meta /tmp/colibri_tiny_tuned1/train_meta.json" in recipe[r2:]
+    assert "card --src /tmp/colibri_tiny_tuned2" in recipe

@@ -20,13 +20,13 @@ The whole pipeline, reproducible with fixed seeds (CPU, torch 2.13.0, transforme
 
     nice -n 5 python tools/train_tiny.py train --out /tmp/colibri_tiny_f32
     python tools/train_tiny.py convert --src /tmp/colibri_tiny_f32 --bits 4
-    nice -n 5 python tools/train_tiny.py tune --out /tmp/colibri_tiny_f32.tuned \
-        --base-meta /tmp/colibri_tiny_f32/train_meta.json
-    python tools/train_tiny.py convert --src /tmp/colibri_tiny_f32.tuned --bits 4
-    python tools/train_tiny.py ref --src /tmp/colibri_tiny_f32.tuned
-    python tools/train_tiny.py eval --src /tmp/colibri_tiny_f32.tuned --results /tmp/eval.json
-    python tools/train_tiny.py card --src /tmp/colibri_tiny_f32.tuned --results /tmp/eval.json
-    python tools/train_tiny.py all --out /tmp/colibri_tiny_f32 [--resume]     # all seven in one go
+    nice -n 5 python tools/train_tiny.py tune --round 1 --out /tmp/colibri_tiny_f32.tuned1 \
+        --base-meta /tmp/colibri_tiny_f32/train_meta.json      # then convert; more rounds alike
+    python tools/train_tiny.py convert --src /tmp/colibri_tiny_f32.tuned1 --bits 4
+    python tools/train_tiny.py ref --src /tmp/colibri_tiny_f32.tuned1
+    python tools/train_tiny.py eval --src /tmp/colibri_tiny_f32.tuned1 --results /tmp/eval.json
+    python tools/train_tiny.py card --src /tmp/colibri_tiny_f32.tuned1 --results /tmp/eval.json
+    python tools/train_tiny.py all --out /tmp/colibri_tiny_f32 [--resume]     # all of it in one go
 
 Architecture (GLM-5 ``glm_moe_dsa``, scaled down): MLA with q_lora and kv_lora, interleaved
 default RoPE, sigmoid-routed MoE with e_score_correction_bias (aux-loss-free balancing: the bias
@@ -1179,6 +1179,12 @@ TUNE = dict(
     max_minutes=60,
 )
 
+# The rounds the shipped model went through (`tune --round N`): each tunes the container the round
+# before it converted, with TUNE updated by its entries.
+TUNE_ROUNDS = [
+    {},
+]
+
 
 def line_prefixes(tok, stream, max_len):
     """{length: array of start offsets} of the top-level `def` / `class` lines of a token stream:
@@ -1274,13 +1280,23 @@ def models_from_container(container, work):
     return models_from_state(work, dequantized_state(container, work))
 
 
+def tune_rounds(meta) -> list:
+    """The tuning rounds recorded in a train_meta.json, oldest first (one dict in older files)."""
+    tn = meta.get("tune") or []
+    return [tn] if isinstance(tn, dict) else list(tn)
+
+
 def base_meta(args) -> dict:
-    """The training metadata of the model being tuned: SRC's train_meta.json, else the container's."""
+    """The training metadata of the model being tuned (--base-meta, else the container's), with the
+    rounds that made it and its held-out figures; this round is appended to meta["tune"]."""
     for d in (args.base_meta, os.path.join(args.model, "train_meta.json")):
         if d and os.path.exists(d):
             with open(d) as f:
                 meta = json.load(f)
-            meta.pop("tune", None)
+            meta["tune"] = tune_rounds(meta)[:args.round - 1]
+            if len(meta["tune"]) != args.round - 1:
+                raise SystemExit(f"--round {args.round}: {d} records {len(meta['tune'])} earlier rounds, "
+                                 f"not {args.round - 1} (tune the container of round {args.round - 1})")
             return meta
     raise SystemExit(f"no training metadata: give --base-meta (the train_meta.json of {args.model}'s training)")
 
@@ -1291,7 +1307,9 @@ def cmd_tune(args):
     torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)
     from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
-    tr, tu = dict(TRAIN), dict(TUNE)
+    if not 1 <= args.round <= len(TUNE_ROUNDS):
+        raise SystemExit(f"--round: 1..{len(TUNE_ROUNDS)} (TUNE_ROUNDS), not {args.round}")
+    tr, tu = dict(TRAIN), dict(TUNE, **TUNE_ROUNDS[args.round - 1])
     for k in ("steps", "lr", "ul_share", "max_minutes"):
         if getattr(args, k) is not None:
             tu[k] = getattr(args, k)
@@ -1338,7 +1356,7 @@ def cmd_tune(args):
             x = greedy_continue(lm, prefix, tu["ul_new"])
             lm.train()
             loss, ul, rep, kl = unlikelihood_objective(lm, head, x, prefix.shape[1], mon, tr, tu)
-            recent["ul"].append(float(ul)); recent["rep"].append(rep)
+            recent["ul"].append(float(ul.detach())); recent["rep"].append(rep)
         else:
             x = sample_windows(rng, std, pkg, tr["stdlib_share"], B, T)
             loss, main, mtp, kl, aux = joint_objective(lm, head, x, mon, tr)
@@ -1363,13 +1381,14 @@ def cmd_tune(args):
                 + f" | lr {lr_at(step, sched):.2e} | {el / 60:.1f} min")
     tune_s = time.time() - t_run
     lm.eval(); head.eval()
-    meta["tune"] = {"from": os.path.relpath(os.path.abspath(args.model), ROOT), "params": tu, "steps": steps,
-                    "seconds": round(tune_s, 1), "curve": curve, "seed": SEED + 1,
-                    "start_heldout_subset_loss": round(h0, 4)}
+    rnd = {"round": args.round, "from": os.path.relpath(os.path.abspath(args.model), ROOT), "params": tu,
+           "steps": steps, "seconds": round(tune_s, 1), "curve": curve, "seed": SEED + 1,
+           "start_heldout_subset_loss": round(h0, 4)}
+    meta["tune"].append(rnd)
     lm2 = save_checkpoint(lm, head, tok, args.out, meta)
     _, head2 = load_checkpoint(args.out)
     hm, ht, nw = eval_loss(lm2, head2, held, T, fast=True)
-    meta["tune"].update(heldout_loss=round(hm, 4), heldout_mtp_loss=round(ht, 4), heldout_windows=nw)
+    rnd.update(heldout_loss=round(hm, 4), heldout_mtp_loss=round(ht, 4), heldout_windows=nw)
     write_json(os.path.join(args.out, "train_meta.json"), meta)
     log(f"tuned {steps} steps in {tune_s / 60:.1f} min; held-out ({nw} windows): main {hm:.4f} "
         f"(ppl {math.exp(hm):.2f}), MTP {ht:.4f}; saved {args.out}")
@@ -1715,31 +1734,55 @@ def _fence(text):
 
 
 def render_tune(meta, tr) -> list:
-    """The model card's fine-tuning section (none when the model was not tuned)."""
-    tn = meta.get("tune")
-    if not tn:
+    """The model card's fine-tuning section, one part per round (none when the model was not tuned)."""
+    rounds = tune_rounds(meta)
+    if not rounds:
         return []
-    pu = tn["params"]
     L = ["\n## Fine-tuning against greedy loops\n"]
-    L.append(f"`tools/train_tiny.py tune`: the int4 container of the training above, dequantized to f32, fine-tuned "
-             f"{tn['steps']} steps ({tn['seconds'] / 60:.1f} min, AdamW lr {pu['lr']} cosine to {pu['min_lr_frac']}×, "
-             f"seed {tn['seed']}). A share of {pu['ul_share']} of the steps is sequence-level unlikelihood (Welleck et "
-             f"al., 2019): {pu['ul_batch']} prefixes from the training files (top-level `def`/`class` lines, or with "
-             f"probability {pu['ul_window_share']} a random corpus window) are continued greedily by the current "
-             f"weights for {pu['ul_new']} tokens, and every continuation token inside a {pu['ul_ngram']}-gram that "
-             "occurred earlier in its sequence adds −log(1 − p(token)) to the loss; the MTP head follows the main "
-             f"model on those sequences (its KL term). The other steps are the training objective above on corpus "
-             f"windows of {tr['batch']} × {tr['seq_len']}. `rep` is the share of continuation tokens inside a "
-             "repeated 4-gram (training prefixes, the tuned weights of that moment); held-out loss on the first "
-             f"{tr['eval_windows']} held-out windows.")
-    L.append(f"- Held-out stdlib loss after tuning (all {tn['heldout_windows']} windows, f32): main "
-             f"**{tn['heldout_loss']:.4f} (perplexity {math.exp(tn['heldout_loss']):.1f})**, MTP (t+2) "
-             f"{tn['heldout_mtp_loss']:.4f}.\n")
-    rows = [[c["step"], c.get("ce", "–"), c.get("ul", "–"), c.get("rep", "–"), c.get("heldout_subset_loss", "–"),
-             f"{c.get('elapsed_s', 0) / 60:.1f}"] for c in tn["curve"]
-            if "heldout_subset_loss" in c or c is tn["curve"][-1]]
-    L.append(_md_table(["step", "corpus CE", "unlikelihood", "rep", "held-out (subset)", "minutes"], rows))
+    pu = rounds[0]["params"]
+    L.append(f"`tools/train_tiny.py tune` fine-tunes an int4 container, dequantized to f32. Its unlikelihood steps "
+             f"are sequence-level unlikelihood (Welleck et al., 2019): {pu['ul_batch']} prefixes from the training "
+             f"files (top-level `def`/`class` lines, or with probability {pu['ul_window_share']} a random corpus "
+             f"window) are continued greedily by the current weights for {pu['ul_new']} tokens, and every "
+             f"continuation token inside a {pu['ul_ngram']}-gram that occurred earlier in its sequence adds "
+             "−log(1 − p(token)) to the loss; the MTP head follows the main model on those sequences (its KL "
+             f"term). The other steps are the training objective above on corpus windows of {tr['batch']} × "
+             f"{tr['seq_len']}. `rep` is the share of continuation tokens inside a repeated 4-gram (training "
+             f"prefixes, the tuned weights of that moment); held-out loss on the first {tr['eval_windows']} "
+             "held-out windows.")
+    for rn in rounds:
+        pu = rn["params"]
+        L.append(f"\n### Round {rn.get('round', 1)}\n")
+        L.append(f"From the int4 container of {'the training above' if rn.get('round', 1) == 1 else 'the round before'}: "
+                 f"{rn['steps']} steps ({rn['seconds'] / 60:.1f} min, AdamW lr {pu['lr']} cosine to "
+                 f"{pu['min_lr_frac']}×, seed {rn['seed']}), a share of {pu['ul_share']} of them unlikelihood steps.")
+        L.append(f"\n- Held-out stdlib loss after the round (all {rn['heldout_windows']} windows, f32): main "
+                 f"**{rn['heldout_loss']:.4f} (perplexity {math.exp(rn['heldout_loss']):.1f})**, MTP (t+2) "
+                 f"{rn['heldout_mtp_loss']:.4f}.\n")
+        rows = [[c["step"], c.get("ce", "–"), c.get("ul", "–"), c.get("rep", "–"), c.get("heldout_subset_loss", "–"),
+                 f"{c.get('elapsed_s', 0) / 60:.1f}"] for c in rn["curve"]
+                if "heldout_subset_loss" in c or c is rn["curve"][-1]]
+        L.append(_md_table(["step", "corpus CE", "unlikelihood", "rep", "held-out (subset)", "minutes"], rows))
     return L
+
+
+def rebuild_commands(meta) -> str:
+    """The model card's rebuild recipe: training, conversion, each tuning round, reference, eval, card."""
+    L = ["pip install torch==2.13.0 transformers",
+         "nice -n 5 python tools/train_tiny.py train --out /tmp/colibri_tiny_f32   # --resume continues a stopped run",
+         "python tools/train_tiny.py convert --src /tmp/colibri_tiny_f32 --bits 4"]
+    src = "/tmp/colibri_tiny_f32"
+    for rn in tune_rounds(meta):
+        n = rn.get("round", 1)
+        prev, src = src, f"/tmp/colibri_tiny_tuned{n}"
+        L.append(f"nice -n 5 python tools/train_tiny.py tune --round {n} --out {src} "
+                 f"--base-meta {prev}/train_meta.json   # --resume too")
+        L.append(f"python tools/train_tiny.py convert --src {src} --bits 4")
+    L += [f"python tools/train_tiny.py ref --src {src}",
+          f"python tools/train_tiny.py eval --src {src} --results /tmp/eval.json",
+          f"python tools/train_tiny.py card --src {src} --results /tmp/eval.json",
+          "# or all of it: python tools/train_tiny.py all --out /tmp/colibri_tiny_f32"]
+    return "```sh\n" + "\n".join(L) + "\n```\n"
 
 
 def render_card(meta, res, cfg, manifest, model_bytes) -> str:
@@ -1885,18 +1928,7 @@ def render_card(meta, res, cfg, manifest, model_bytes) -> str:
             L.append(f"**{x['prompt']!r}**, greedy:\n\n{_fence(x['prompt'] + x['greedy'])}\n")
             L.append(f"temperature 0.7:\n\n{_fence(x['prompt'] + x['t0.7_seed1'])}\n")
     L.append("## Rebuild\n")
-    L.append("```sh\npip install torch==2.13.0 transformers\n"
-             "nice -n 5 python tools/train_tiny.py train --out /tmp/colibri_tiny_f32   # --resume continues a stopped run\n"
-             "python tools/train_tiny.py convert --bits 4\n"
-             + ("nice -n 5 python tools/train_tiny.py tune --out /tmp/colibri_tiny_tuned "
-                "--base-meta /tmp/colibri_tiny_f32/train_meta.json   # --resume too\n"
-                "python tools/train_tiny.py convert --src /tmp/colibri_tiny_tuned --bits 4\n"
-                "python tools/train_tiny.py ref --src /tmp/colibri_tiny_tuned\n"
-                "python tools/train_tiny.py eval --src /tmp/colibri_tiny_tuned --results /tmp/eval.json\n"
-                "python tools/train_tiny.py card --src /tmp/colibri_tiny_tuned --results /tmp/eval.json\n"
-                "# or all seven steps: python tools/train_tiny.py all --out /tmp/colibri_tiny_f32\n```\n"
-                if meta.get("tune") else
-                "python tools/train_tiny.py ref\npython tools/train_tiny.py eval\npython tools/train_tiny.py card\n```\n"))
+    L.append(rebuild_commands(meta))
     L.append("`train` downloads the pinned wheels (no dependencies) with pip into `--wheels` and keeps the "
              "tokenizer and token streams in `OUT.data/` and the training state in `OUT.state.pt` (every "
              f"{tr['save_every']} steps), so an interrupted run continues where it stopped. The weights depend "
@@ -1929,25 +1961,27 @@ def cmd_card(args):
 # ----------------------------------------------------------------------------------------------
 
 def cmd_all(args):
-    """train (or --resume), convert, tune (or --resume), convert, ref, eval, card: the whole rebuild.
+    """train (or --resume), convert, each tuning round (or --resume) and its convert, ref, eval, card:
+    the whole rebuild.
 
-    The tune step fine-tunes the converted int4 container (so it starts from the weights users get)
-    into OUT.tuned; the package, its reference and its card are then made from the tuned checkpoint.
+    Each round of TUNE_ROUNDS fine-tunes the int4 container the step before converted (so it starts
+    from the weights users get) into OUT.tuned<N>; the package, its reference and its card are then
+    made from the last round's checkpoint.
     """
-    tuned = args.out.rstrip("/") + ".tuned"
     res = args.out.rstrip("/") + ".eval.json"
     resume = ["--resume"] if args.resume else []
     train = ["train", "--out", args.out, "--wheels", args.wheels] + resume
     if args.steps is not None:
         train += ["--steps", str(args.steps)]
-    steps = [train,
-             ["convert", "--src", args.out],
-             ["tune", "--out", tuned, "--wheels", args.wheels,
-              "--base-meta", os.path.join(args.out, "train_meta.json")] + resume,
-             ["convert", "--src", tuned],
-             ["ref", "--src", tuned],
-             ["eval", "--src", tuned, "--results", res],
-             ["card", "--src", tuned, "--results", res]]
+    steps, src = [train, ["convert", "--src", args.out]], args.out
+    for n in range(1, len(TUNE_ROUNDS) + 1):
+        prev, src = src, args.out.rstrip("/") + f".tuned{n}"
+        steps += [["tune", "--round", str(n), "--out", src, "--wheels", args.wheels,
+                   "--base-meta", os.path.join(prev, "train_meta.json")] + resume,
+                  ["convert", "--src", src]]
+    steps += [["ref", "--src", src],
+              ["eval", "--src", src, "--results", res],
+              ["card", "--src", src, "--results", res]]
     for argv in steps:
         t0 = time.time()
         log(f"=== train_tiny.py {' '.join(argv)}")
@@ -2008,6 +2042,8 @@ def main(argv=None):
     u.add_argument("--wheels", default=DEFAULT_WHEELS)
     u.add_argument("--threads", type=int, default=2)
     u.add_argument("--resume", action="store_true", help="continue from OUT.state.pt")
+    u.add_argument("--round", type=int, default=1,
+                   help="which of TUNE_ROUNDS (its settings; --model is the container of the round before)")
     for k, typ in (("steps", int), ("lr", float), ("ul_share", float), ("max_minutes", float)):
         u.add_argument("--" + k.replace("_", "-"), dest=k, type=typ, default=None,
                        help=f"default {TUNE[k]}")
