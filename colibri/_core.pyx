@@ -35,8 +35,9 @@ follow transformers and say so (see ``NOTE(HF)`` comments).
 #  8. model_init and its loading helpers: glm.c's model_init (its qt_load / qt_from_disk / ld are
 #     Model._load_qt / _load_vec), expert_bytes_probe (_expert_disk_bytes), the container
 #     mapping, the huge-page buffers.
-#  9. Drafts: ngram_draft (glm.c's ngram_draft) and mtp_chain, the steps of glm.c's mtp_draft
-#     (mtp_argmax) without Python between them.
+#  9. Drafts: ngram_draft (glm.c's ngram_draft), the exponential race (race_pick) that draws a
+#     position's token and its sampled draft from one key, and mtp_chain, the steps of glm.c's
+#     mtp_draft without Python between them.
 # 10. Sampler: glm.c's rndu, dist_build, dist_sample, pick_tok (with the ban that spec_decode's
 #     carry_ban passes) and the verify's acceptance test (accepts).
 
@@ -46,7 +47,7 @@ import time
 import numpy as np
 
 from libc.stdint cimport int8_t, uint8_t, int32_t, uintptr_t
-from libc.math cimport expf, sqrtf, sqrt, cosf, sinf, isnan
+from libc.math cimport expf, sqrtf, sqrt, cosf, sinf, isnan, log
 from libc.string cimport memcpy, memset
 from libc.stdlib cimport qsort, malloc, calloc, free
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
@@ -4053,9 +4054,13 @@ cdef class Model:
         self._mm(self.eh_proj, &cv[0, 0], 1, &hv[0, 0], ws)
         return hx
 
-    def mtp_draft(self, int next_tok, int kv, int G, double min_p=0.0):
+    def mtp_draft(self, int next_tok, int kv, int G, double min_p=0.0, Sampler sampler=None):
         """Native MTP chain (glm.c's mtp_draft): up to G draft tokens for positions kv+1.. given next_tok
-        (the token chosen for position kv) and hlast (the residual at kv-1). Drafts are argmax.
+        (the token chosen for position kv) and hlast (the residual at kv-1). Drafts are argmax (glm.c),
+        or with a sampling ``sampler`` raced from the head's distribution under the sampler's key of
+        their position (race_pick: the target's own draw at that position whenever the head's
+        distribution agrees with the model's, so sampled drafts are accepted about as often as the
+        two distributions overlap, not only as often as the model draws the head's argmax).
         min_p > 0: the chain ends before a draft whose top-1 probability under the head is below
         min_p (it would likely be rejected and its verify row costs time). The chain runs in C
         (mtp_chain) where the MTP layer suits layers_step; a step whose experts are not resident
@@ -4072,14 +4077,15 @@ cdef class Model:
         if G < 1:
             drafts, self.mtp_logits = [], []
         elif self._chain_ok(p + G):
-            drafts = self._mtp_chain(next_tok, p, G, min_p)
+            drafts = self._mtp_chain(next_tok, p, G, min_p, sampler)
         else:
-            drafts = self._mtp_draft_calls(next_tok, p, G, min_p)
+            drafts = self._mtp_draft_calls(next_tok, p, G, min_p, sampler)
         self.mtp_next = kv                # row kv-1 now holds the true pair; later rows are speculative
         return drafts
 
-    def _mtp_draft_calls(self, int tok, int p, int G, double min_p):
+    def _mtp_draft_calls(self, int tok, int p, int G, double min_p, Sampler sampler=None):
         """mtp_draft call by call (float matrices, or attention that needs the per-call path)."""
+        sampled = sampler is not None and sampler.temperature > 0
         h = self.hlast
         drafts = []
         self.mtp_logits = []
@@ -4087,8 +4093,9 @@ cdef class Model:
             hx = self._mtp_input(tok, h, g == 0)
             self.layer_forward(self.mtp, hx, 1, p + g)
             logits = self._mtp_logits(hx)[0]
-            tok = int(np.argmax(logits))
-            if min_p > 0 and 1.0 / np.exp(logits - logits[tok]).sum(dtype=np.float32) < min_p:
+            top = int(np.argmax(logits))
+            tok = sampler.draft_pick(logits, p + 2 + g) if sampled else top
+            if min_p > 0 and 1.0 / np.exp(logits - logits[top]).sum(dtype=np.float32) < min_p:
                 break
             self.mtp_logits.append(logits)
             drafts.append(tok)
@@ -4132,6 +4139,7 @@ cdef class Model:
                 "e": np.zeros(D, np.float32), "cat": np.zeros(W, np.float32),
                 "hx": np.zeros((1, D), np.float32), "hn": np.zeros(D, np.float32),
                 "logits": np.zeros((G, c.vocab), np.float32),
+                "q": np.zeros(c.vocab, np.float32), "pairs": np.zeros(2 * c.vocab, np.float32),
                 "toks": np.zeros(G + 1, np.int32),
                 "rec_nu": np.zeros(G, np.int32), "rec_ids": np.zeros((G, max(K, 1)), np.int32),
                 "t_nu": np.zeros(1, np.int32), "t_ids": np.zeros((1, max(K, 1)), np.int32),
@@ -4168,7 +4176,7 @@ cdef class Model:
         cdef DraftChain *C = self._chain
         cdef TokenStep *T = &C.T
         cdef float[:, ::1] hxv = b["hx"], lgv = b["logits"]
-        cdef float[::1] ev = b["e"], cv = b["cat"], nv = b["hn"], h0 = b["h0"]
+        cdef float[::1] ev = b["e"], cv = b["cat"], nv = b["hn"], h0 = b["h0"], qv = b["q"], pv = b["pairs"]
         cdef float[::1] en = self.enorm, hn = self.hnorm, fn = self.final_norm, mn = self.mtp_norm
         cdef int[::1] toks = b["toks"], rnu = b["rec_nu"], tnu = b["t_nu"], k0 = b["k0"]
         cdef int[:, ::1] rids = b["rec_ids"], tids = b["t_ids"]
@@ -4187,11 +4195,12 @@ cdef class Model:
         C.D, C.V, C.idot, C.block, C.eps = c.hidden, c.vocab, self.idot, self.act_block, c.eps
         C.e, C.cat, C.hx, C.hn = &ev[0], &cv[0], &hxv[0, 0], &nv[0]
         C.logits, C.toks, C.rec_nu, C.rec_ids = &lgv[0, 0], &toks[1], &rnu[0], &rids[0, 0]
+        C.Q, C.pairs = &qv[0], <ProbIdx *>&pv[0]
         C.xq, C.xs, C.xr, C.xm, C.xg = &xq[0], &xs[0], &xr[0], &xm[0] if BLOCK_SUMS else NULL, &xg[0]
         self._chain_key = (ws, fs, b)
         return 0
 
-    def _mtp_chain(self, int next_tok, int p, int G, double min_p):
+    def _mtp_chain(self, int next_tok, int p, int G, double min_p, Sampler sampler=None):
         """mtp_draft through mtp_chain (see there); returns the drafts."""
         c = self.cfg
         cdef int NL = c.n_layers, K = c.topk, g = 0, n
@@ -4215,6 +4224,9 @@ cdef class Model:
         b["h0"][:] = self.hlast
         b["toks"][0] = next_tok
         C.T.pos_base, C.p, C.min_p = p, p, min_p
+        C.temp = sampler.temperature if sampler is not None and sampler.temperature > 0 else 0.0
+        if C.temp > 0:
+            C.top_k, C.top_p, C.base = sampler.top_k, sampler.top_p, sampler.base
         C.T.moe_c = not self.pilot or self.cache.prefetch_idle()
         C.T.t_attn = C.T.t_moe = 0.0
         C.top1, C.stop, C.bad = 1.0, 0, -1
@@ -4275,11 +4287,13 @@ cdef class Model:
         logits: the distribution for position kv-1. Each iteration picks a token, asks for drafts
         (MTP chain when the model has a head, else n-gram lookup) at the depth the policy chooses,
         verifies [token, drafts] in one batched forward and accepts the longest agreeing prefix:
-        greedy by exact argmax; sampled by the rejection rule for a point-mass draft (accept with
-        probability p(draft), else resample from p with the draft banned), which is lossless. The
-        sampled test and the resample use the uniform of the token's sequence position (see
-        Sampler), so the emitted text equals plain sampling with the same seed; glm.c draws from a
-        sequential stream instead, which makes its sampled output depend on the drafts tested.
+        greedy by exact argmax; sampled, a draft is accepted when it is the token the position's
+        race draws from p (Sampler), else the token is that draw (the draft banned): whatever the
+        drafts, every emitted token is plain sampling's with the same seed, so this is lossless.
+        glm.c instead tests a point-mass draft against a sequential stream (accepted with probability
+        p(draft)), which makes its sampled output depend on the drafts tested; MTP drafts here are
+        raced from the head's distribution with the position's key (mtp_draft), which the target's
+        draw matches as often as the two distributions overlap.
         Returns (emitted tokens, kv). Stops (not emitted) on a token in ``stops``. ``trace``, a list,
         receives (kv, token, drafts) for every iteration that drafted."""
         from .draft import DraftPolicy
@@ -4332,7 +4346,7 @@ cdef class Model:
                     t_catch = time.perf_counter() - t_catch
                 for p in [p for p in pending if p < kv]:
                     del pending[p]
-                drafts = self.mtp_draft(nxt, kv, d, policy.min_p)
+                drafts = self.mtp_draft(nxt, kv, d, policy.min_p, sampler)
             elif d > 0:
                 drafts = ngram_draft(ids, d)
             t_draft = time.perf_counter() - t0 - t_catch
@@ -4891,6 +4905,61 @@ def ngram_draft(ids, int G):
     return []
 
 
+cdef struct ProbIdx:
+    float p
+    int i
+
+
+cdef inline unsigned long long mix64(unsigned long long z) noexcept nogil:
+    """splitmix64's output function."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL
+    return z ^ (z >> 31)
+
+
+cdef inline unsigned long long pos_key(unsigned long long base, long long pos) noexcept nogil:
+    """The key of sequence position pos under a sampler's seed state."""
+    return mix64(base + (<unsigned long long>pos) * 0x9E3779B97F4A7C15ULL)
+
+
+cdef inline double key_u(unsigned long long key, int i) noexcept nogil:
+    """Token i's uniform in (0, 1) under a position's key (the splitmix64 stream that starts at it)."""
+    return (<double>(mix64(key + (<unsigned long long>(i + 1)) * 0x9E3779B97F4A7C15ULL) >> 11) + 0.5) * (
+        1.0 / 9007199254740992.0)
+
+
+cdef int race_pick(const float *P, int V, unsigned long long key, int ban) noexcept nogil:
+    """The winner of an exponential race over P [V] (token ``ban`` left out, -1: none): argmax of
+    P[i] / E_i with E_i = -log(key_u(key, i)) ~ Exp(1), i.e. the first of independent exponential
+    clocks with rates P[i] to ring - a draw from P (without ban, renormalized). It is a function of
+    the key, so two distributions raced with one key pick the same token as often as they overlap
+    (P[same] >= (1 - TV) / (1 + TV)): a draft raced from the MTP head's distribution is the target's
+    draw whenever the two agree, not only when the target happens to pick the head's argmax. And
+    leaving ``ban`` out changes the winner only when ``ban`` won. A token cannot win unless
+    u_i > exp(-P[i]/best) >= 1 - P[i]/best: the others are skipped without a log (with a margin far
+    above rounding, so the skips never change the winner)."""
+    cdef int i, top = -1, win
+    cdef double best, x, r, u
+    for i in range(V):
+        if i != ban and P[i] > 0 and (top < 0 or P[i] > P[top]):
+            top = i
+    if top < 0:                         # no mass outside ban (cannot happen after a rejection)
+        return 1 if ban == 0 and V > 1 else 0
+    win = top
+    best = P[top] / -log(key_u(key, top))
+    for i in range(V):
+        if i == top or i == ban or not P[i] > 0:
+            continue
+        x = P[i] / best
+        u = key_u(key, i)
+        if u <= 1.0 - x * 1.000001 - 1e-12:
+            continue
+        r = P[i] / -log(u)
+        if r > best:
+            best, win = r, i
+    return win
+
+
 cdef struct DraftChain:
     # The MTP head's draft chain (mtp_chain) of one mtp_draft call; filled by Model._chain.
     TokenStep T                         # the MTP layer as a one-layer forward (T.x = hx)
@@ -4905,6 +4974,11 @@ cdef struct DraftChain:
     int D, V, p, idot, block
     float eps
     float min_p                         # stop after a draft whose top-1 probability is below this
+    double temp, top_p                  # sampled drafts (temp > 0): raced from the head's distribution
+    int top_k                           # (the sampler's temperature / top-k / top-p) under ...
+    unsigned long long base             # ... the key of the draft's position (pos_key); temp 0: argmax
+    float *Q                            # [V] the head's distribution (temp > 0)
+    ProbIdx *pairs                      # [V] dist_build's scratch
     float *e                            # [D] embedding row
     float *cat                          # [2D] eh_proj's input
     float *hx                           # [D] the MTP residual (in/out of each step)
@@ -4927,7 +5001,8 @@ cdef int mtp_chain(DraftChain *C, int g0, bint resume, int G) noexcept nogil:
     """Draft steps g0 .. G-1 of the native MTP chain (glm.c's mtp_draft) without Python between them:
     hx = eh_proj · [enorm(embed(tok)) ; hnorm(h)] (h: final_norm(hlast) at step 0, the MTP layer's
     last output after), the MTP layer on hx at position p + g (layers_step), then the draft
-    argmax(lm_head · shared_head.norm(hx)). resume: step g0's layer is already done (Python
+    argmax(lm_head · shared_head.norm(hx)), or when sampling (C.temp > 0) the race over its
+    distribution under the key of the draft's position p + 2 + g (race_pick). resume: step g0's layer is already done (Python
     finished its MLP). Returns the steps done (their drafts in C.toks); C.stop = 1: the last of
     them fell below min_p; C.stop = 2: step g's attention half is done and its MLP is Python's
     (an expert not resident)."""
@@ -4965,7 +5040,11 @@ cdef int mtp_chain(DraftChain *C, int g0, bint resume, int G) noexcept nogil:
                 return g
             if lg[i] > lg[best]:
                 best = i
-        C.toks[g] = best
+        if C.temp > 0:
+            dist_build_c(lg, V, C.temp, C.top_k, C.top_p, C.Q, C.pairs)
+            C.toks[g] = race_pick(C.Q, V, pos_key(C.base, C.p + 2 + g), -1)
+        else:
+            C.toks[g] = best
         if C.min_p > 0:
             mx = lg[best]
             z = 0.0
@@ -4981,11 +5060,6 @@ cdef int mtp_chain(DraftChain *C, int g0, bint resume, int G) noexcept nogil:
 # ---------------------------------------------------------------------------------------------
 # 10. Sampler
 # ---------------------------------------------------------------------------------------------
-
-cdef struct ProbIdx:
-    float p
-    int i
-
 
 cdef int cmp_prob_desc(const void *a, const void *b) noexcept nogil:
     """Descending probability, ties by ascending token id (a stable, libc-independent order)."""
@@ -5009,16 +5083,18 @@ cdef class Sampler:
     (logits, history) only, applied alike where a token is picked and where a draft is tested, so
     speculation stays lossless with them.
 
-    Generation draws each token from a uniform keyed by its position in the sequence (``u_at``),
-    through the inverse CDF of P: the token of a position depends on the seed, the position and
-    the logits only, never on how many draws speculation made before it, so a seeded generation
-    gives the same text whatever the drafts (and ``--draft auto`` decides by wall time)."""
+    Generation draws each token by an exponential race over P keyed by its position in the
+    sequence (race_pick under pos_key): the token of a position depends on the seed, the position
+    and the logits only, never on how many draws speculation made before it, so a seeded generation
+    gives the same text whatever the drafts (and ``--draft auto`` decides by wall time). A sampled
+    draft raced from another distribution with the same key (``draft_pick``) is that token as often
+    as the two distributions overlap."""
     cdef public double temperature, top_p
     cdef public int top_k, repeat_last_n
     cdef public double repeat_penalty, frequency_penalty, presence_penalty
     cdef unsigned long long rng, base
     cdef public object P
-    cdef object _pairs, _pen
+    cdef object _pairs, _pen, _Q
 
     def __init__(self, int vocab, double temperature=0.7, double top_p=0.9, seed=None, int top_k=0,
                  double repeat_penalty=1.0, int repeat_last_n=64, double frequency_penalty=0.0,
@@ -5046,6 +5122,7 @@ cdef class Sampler:
         self.P = np.zeros(vocab, np.float32)
         self._pairs = np.zeros(2 * vocab, np.float32)      # ProbIdx scratch
         self._pen = np.zeros(vocab, np.float32)            # penalized logits [V]
+        self._Q = np.zeros(vocab, np.float32)              # a draft's distribution [V] (draft_pick)
         self.seed(seed)
 
     @property
@@ -5107,32 +5184,20 @@ cdef class Sampler:
         with nogil:
             dist_build_c(&lg[0], V, self.temperature, self.top_k, self.top_p, &P[0], <ProbIdx *>&pairs[0])
 
-    cpdef double u_at(self, long long pos):
-        """The uniform of sequence position pos: splitmix64(seed state + pos·golden), top 53 bits."""
-        cdef unsigned long long z = self.base + (<unsigned long long>pos) * 0x9E3779B97F4A7C15ULL
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL
-        z ^= z >> 31
-        return <double>(z >> 11) * (1.0 / 9007199254740992.0)
-
     def dist_sample(self, int ban=-1, pos=None):
         """Draw from P with token ``ban`` removed (its mass renormalized away): from the sequential
-        RNG, or at position ``pos`` from u_at(pos). With a position, the draw is coupled to the
-        unbanned one: if the inverse CDF at u_at(pos) is not ``ban`` it is that token (which, given
-        that it is not ``ban``, is distributed as P with ``ban`` removed), so a rejected draft's
-        resample is the token plain sampling would have drawn there."""
+        RNG (inverse CDF), or at position ``pos`` by the position's race (race_pick). With a
+        position, the draw is coupled to the unbanned one: if the race's winner is not ``ban`` it is
+        that token (which, given that it is not ``ban``, is distributed as P with ``ban`` removed),
+        so a rejected draft's resample is the token plain sampling would have drawn there."""
         cdef float[::1] P = self.P
-        cdef int V = P.shape[0], i, last = -1, t
+        cdef int V = P.shape[0], i, last = -1
         cdef double z = 1.0, u, cum = 0.0
         if ban >= V:
             raise ValueError(f"banned token {ban} outside the vocabulary")
         if pos is not None:
-            t = self._inverse_cdf(self.u_at(pos))
-            if t != ban:
-                return t
-            u = self.u_at(pos)              # cannot happen after a rejection; fall back below
-        else:
-            u = self.rndu()
+            return race_pick(&P[0], V, pos_key(self.base, pos), ban)
+        u = self.rndu()
         if ban >= 0:
             z = 1.0 - P[ban]
         if z < 1e-12:
@@ -5148,18 +5213,24 @@ cdef class Sampler:
                 return i
         return last if last >= 0 else 0
 
-    cdef int _inverse_cdf(self, double u):
-        """The first token whose cumulative P (ascending id) reaches u."""
-        cdef float[::1] P = self.P
-        cdef int V = P.shape[0], i, last = 0
-        cdef double cum = 0.0
-        for i in range(V):
-            if P[i] > 0:
-                last = i
-                cum += P[i]
-                if cum >= u:
-                    return i
-        return last
+    def draft_pick(self, logits, long long pos):
+        """A sampled draft for position ``pos``: the race (the position's key) over the distribution
+        that dist_build would make of ``logits`` (a draft head's), built in a buffer of its own (P
+        stays as it was); the argmax when greedy. Penalties are not applied: a draft only has to
+        be likely, the verify tests it against the penalized target."""
+        cdef float[::1] lg = np.ascontiguousarray(logits, dtype=np.float32)
+        cdef float[::1] Q = self._Q
+        cdef float[::1] pairs = self._pairs
+        cdef int V = Q.shape[0], t
+        if lg.shape[0] != V:
+            raise ValueError(f"logits of length {lg.shape[0]} for a vocabulary of {V}")
+        if self.temperature <= 0:
+            return int(np.argmax(logits))
+        cdef unsigned long long key = pos_key(self.base, pos)
+        with nogil:
+            dist_build_c(&lg[0], V, self.temperature, self.top_k, self.top_p, &Q[0], <ProbIdx *>&pairs[0])
+            t = race_pick(&Q[0], V, key, -1)
+        return t
 
     def pick_tok(self, logits, int ban=-1, pos=None, history=None):
         """Greedy argmax (first maximum) when temperature <= 0, else dist_build + dist_sample(ban)
@@ -5174,16 +5245,18 @@ cdef class Sampler:
         return self.dist_sample(ban, pos)
 
     def accepts(self, logits, int draft, long long pos, history=None):
-        """Whether a point-mass draft for position pos is accepted: P = dist_build(logits) and the
-        inverse CDF at u_at(pos) is the draft (probability P[draft], the Leviathan rule for a
-        point-mass draft); greedy: the argmax is the draft. Penalized as pick_tok."""
+        """Whether a draft for position pos is accepted: P = dist_build(logits) and the position's
+        race draws the draft (for a draft chosen without the key, probability P[draft]: the
+        Leviathan rule for a point-mass draft); greedy: the argmax is the draft. Penalized as
+        pick_tok."""
         if logits is not None and history is not None:
             logits = self.penalize(logits, history)
         if self.temperature <= 0:
             return int(np.argmax(logits)) == draft
         if logits is not None:              # None: P as the last dist_build left it
             self.dist_build(logits)
-        return self._inverse_cdf(self.u_at(pos)) == draft
+        cdef float[::1] P = self.P
+        return race_pick(&P[0], P.shape[0], pos_key(self.base, pos), -1) == draft
 
 
 cdef void penalize_c(const float *lg, int V, const int *win, int n, double rep, double freq, double pres,
