@@ -147,8 +147,8 @@ def _gammaincc(a, x):
 
 def _accept_resample(sampler, logits, draft, pos, broken=False):
     """One draw of the token of position ``pos`` through spec_decode's own accept/resample calls
-    for a point-mass draft: ``accepts`` (the inverse CDF of p at the position's uniform is the
-    draft: probability p(draft)), else ``pick_tok`` with the draft banned through carry_ban.
+    for a draft: ``accepts`` (the position's race over p draws the draft: for a draft chosen
+    without the key, probability p(draft)), else ``pick_tok`` with the draft banned through carry_ban.
     The broken rule accepts whenever an independent sample equals the draft and otherwise draws
     again from p without banning the draft (so the draft is over-represented)."""
     if broken:
@@ -400,3 +400,25 @@ def test_auto_policy_survives_the_embedded_model_session():
     for prompt in ("def fibonacci(n):\n", "import os\n"):
         assert llm.complete(prompt).token_ids == plain.complete(prompt).token_ids
     assert llm.session.policy is not None and llm.session.policy.iterations > 0
+
+
+def test_raced_drafts_keep_the_target_distribution_and_agree_more(next_logits):
+    """A draft raced from a nearby distribution Q with the position's key (draft_pick, what the
+    MTP chain does when sampling) is accepted when the position's race over p draws it: the
+    emitted tokens still follow p exactly (chi-square), and the draft is accepted more often than
+    the point-mass draft argmax Q, which is accepted with probability p(argmax Q)."""
+    s = _core.Sampler(VOCAB, 1.0, 1.0, seed=4321)
+    q_logits = next_logits + np.random.default_rng(3).normal(0, 0.3, next_logits.shape).astype(np.float32)
+    s.dist_build(next_logits)
+    p = np.array(s.P, dtype=np.float64)
+    n = 20000
+    counts = np.zeros(VOCAB)
+    raced = 0
+    for pos in range(n):
+        draft = s.draft_pick(q_logits, pos)          # leaves P as dist_build made it
+        t = _accept_resample(s, None, int(draft), pos)
+        raced += t == draft
+        counts[t] += 1
+    assert _chi2_pvalue(counts[p > 0], p[p > 0]) > 0.01
+    point_mass = p[int(np.argmax(q_logits))]
+    assert raced / n > point_mass + 0.1, (raced / n, point_mass)

@@ -1893,8 +1893,8 @@ def render_card(meta, res, cfg, manifest, model_bytes) -> str:
         L.append(f"\nMinimum {min(d4):.3f}, mean {np.mean(d4):.3f}.")
         L.append("\n## MTP speculative decoding\n")
         L.append(f"The same prompts, {m['n']} tokens each, the shipped container (int8 MTP head): greedy, and "
-                 f"sampled at temperature {m['temperature_sampled']} with a fixed seed per prompt (acceptance is "
-                 "then the exact rejection-sampling test's). Acceptance by position: of the iterations that "
+                 f"sampled at temperature {m['temperature_sampled']} with a fixed seed per prompt (the head's drafts raced from its own "
+                 "distribution with the position's key, accepted when the model's race at that position draws them). Acceptance by position: of the iterations that "
                  "verified an i-th draft, the share that accepted it.\n")
         rows = []
         for mode in ("greedy", "sampled"):
