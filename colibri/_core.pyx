@@ -4085,7 +4085,6 @@ cdef class Model:
 
     def _mtp_draft_calls(self, int tok, int p, int G, double min_p, Sampler sampler=None):
         """mtp_draft call by call (float matrices, or attention that needs the per-call path)."""
-        sampled = sampler is not None and sampler.temperature > 0
         h = self.hlast
         drafts = []
         self.mtp_logits = []
@@ -4094,7 +4093,7 @@ cdef class Model:
             self.layer_forward(self.mtp, hx, 1, p + g)
             logits = self._mtp_logits(hx)[0]
             top = int(np.argmax(logits))
-            tok = sampler.draft_pick(logits, p + 2 + g) if sampled else top
+            tok = sampler.draft_pick(logits, p + 2 + g) if sampler is not None else top   # (greedy: top)
             if min_p > 0 and 1.0 / np.exp(logits - logits[top]).sum(dtype=np.float32) < min_p:
                 break
             self.mtp_logits.append(logits)
