@@ -47,7 +47,7 @@ import time
 import numpy as np
 
 from libc.stdint cimport int8_t, uint8_t, int32_t, uintptr_t
-from libc.math cimport expf, sqrtf, sqrt, cosf, sinf, isnan, log
+from libc.math cimport expf, sqrtf, sqrt, cosf, sinf, isnan, log, INFINITY
 from libc.string cimport memcpy, memset
 from libc.stdlib cimport qsort, malloc, calloc, free
 from posix.time cimport clock_gettime, timespec, CLOCK_MONOTONIC
@@ -4279,7 +4279,7 @@ cdef class Model:
         self.mtp_next = pos_base + S
 
     def spec_decode(self, ids, int kv, int n_new, logits, Sampler sampler, policy=None, stops=(), emit=None,
-                    trace=None):
+                    trace=None, constraint=None):
         """Generate up to n_new tokens with speculative decoding (glm.c's spec_decode).
 
         ids: the token history (a list; ids[:kv] are in the KV cache and are extended in place);
@@ -4294,7 +4294,14 @@ cdef class Model:
         raced from the head's distribution with the position's key (mtp_draft), which the target's
         draw matches as often as the two distributions overlap.
         Returns (emitted tokens, kv). Stops (not emitted) on a token in ``stops``. ``trace``, a list,
-        receives (kv, token, drafts) for every iteration that drafted."""
+        receives (kv, token, drafts) for every iteration that drafted.
+
+        ``constraint`` (colibri.grammar.Constraint): every pick and every draft test sees the logits
+        masked to what the grammar allows after the tokens before it, so the output is constrained
+        sampling's (greedy: the allowed argmax) whatever the drafts; drafts the grammar refuses are
+        cut before the verify, and where it allows one token alone, that token (and the next ones
+        it forces) is the draft, without asking the policy or the head. The generation ends when
+        the grammar's output is complete."""
         from .draft import DraftPolicy
         if policy is None:
             policy = DraftPolicy(0)
@@ -4304,6 +4311,8 @@ cdef class Model:
         stops = set(stops)
         cdef bint greedy = sampler.temperature <= 0
         cdef int carry_ban = -1, g, k, nxt, d, i
+        cdef bint forced
+        con = constraint
         out = []
         # MTP context, absorbed lazily: residual rows of positions whose (token, hidden) pair is not
         # yet in the MTP KV. Iterations without drafts cost nothing for the head; before the next
@@ -4320,6 +4329,8 @@ cdef class Model:
             if self.h_all is not None and base < kv:
                 pending = {p: self.h_all[p - base] for p in range(self.mtp_next, kv)}
         while len(out) < n_new:
+            if con is not None:
+                logits = con.mask(logits)
             nxt = sampler.pick_tok(logits, carry_ban, len(ids), ids)
             carry_ban = -1
             if nxt in stops:
@@ -4328,13 +4339,18 @@ cdef class Model:
             ids.append(nxt)
             if emit is not None:
                 emit(nxt)
+            if con is not None:
+                con.consume(nxt)
+                if con.stopped:
+                    break                 # the grammar's output is complete
             if len(out) >= n_new:
                 break                     # the last token is not forwarded (as in glm.c's spec_decode)
             t0 = time.perf_counter()
             t_catch = t_absorb = 0.0
             self.lookahead_on = self.pilot and self.lookahead.enabled()    # (no lookahead: no counters read)
-            d = policy.depth()
-            drafts = []
+            drafts = con.forced(min(n_new - len(out), self.max_t - kv - 2, 16)) if con is not None else []
+            forced = len(drafts) > 0
+            d = 0 if forced else policy.depth()
             if d > 0 and self.has_mtp:
                 if self.mtp_next < kv - 1:
                     # catch-up after draft-free iterations (or the prompt): a one-off cost, kept out
@@ -4348,6 +4364,8 @@ cdef class Model:
                 drafts = self.mtp_draft(nxt, kv, d, policy.min_p, sampler)
             elif d > 0:
                 drafts = ngram_draft(ids, d)
+            if con is not None and drafts and not forced:
+                drafts = drafts[:con.valid_prefix(drafts)]
             t_draft = time.perf_counter() - t0 - t_catch
             proposed = len(drafts)
             if trace is not None and drafts:
@@ -4358,7 +4376,7 @@ cdef class Model:
             if kv + 1 + g > self.max_t:
                 raise ValueError(f"position {kv + g} is beyond the KV cache of {self.max_t} positions")
             t_verify = time.perf_counter()
-            self.drop_plan = self._drop_plan(policy, g)
+            self.drop_plan = None if forced else self._drop_plan(policy, g)
             try:
                 lo = self.step_all([nxt] + drafts, kv)
             finally:
@@ -4371,7 +4389,7 @@ cdef class Model:
             k = 0
             done = False
             while k < g and len(out) < n_new:
-                ok = sampler.accepts(lo[k], drafts[k], len(ids), ids)
+                ok = sampler.accepts(lo[k] if con is None else con.mask(lo[k]), drafts[k], len(ids), ids)
                 if not ok:
                     if not greedy:
                         carry_ban = drafts[k]
@@ -4384,6 +4402,13 @@ cdef class Model:
                 if emit is not None:
                     emit(drafts[k])
                 k += 1
+                if con is not None:
+                    con.consume(drafts[k - 1])
+                    if con.stopped:
+                        done = True
+                        break
+            if forced:
+                con.forced_tokens += k
             if self.has_mtp and d > 0 and k >= 1:
                 t_absorb = time.perf_counter()
                 self.mtp_absorb(ids[kv + 1:kv + 1 + k], h_all[:k], kv)   # rows kv..kv+k-1
@@ -4395,8 +4420,9 @@ cdef class Model:
             kv += 1 + k
             logits = lo[k]
             t_iter = time.perf_counter() - t0
-            policy.record(d, proposed, k, t_iter - t_catch, verified=g,
-                          parts=(t_draft, t_verify, t_absorb + t_catch, t_iter))
+            if not forced:                # forced drafts are the grammar's, not a depth the policy chose
+                policy.record(d, proposed, k, t_iter - t_catch, verified=g,
+                              parts=(t_draft, t_verify, t_absorb + t_catch, t_iter))
             if self.pilot:
                 self.lookahead.record(time.perf_counter() - t0, 1 + k)
             self.decode_forwards += 1
@@ -5069,6 +5095,22 @@ cdef int cmp_prob_desc(const void *a, const void *b) noexcept nogil:
     if x.p < y.p:
         return 1
     return (x.i > y.i) - (x.i < y.i)
+
+
+def mask_logits(logits, const int32_t[::1] bits, float[::1] out):
+    """out [V] = logits [V] with token i at -inf wherever bit i of bits [ceil(V/32)] is clear (the
+    tokens a grammar forbids next; colibri.grammar.Constraint.mask). softmax then spreads the mass
+    over the allowed tokens only: the constrained distribution."""
+    cdef float[::1] lg = np.ascontiguousarray(logits, dtype=np.float32)
+    cdef int V = out.shape[0], i
+    if lg.shape[0] != V:
+        raise ValueError(f"logits of length {lg.shape[0]} for a vocabulary of {V}")
+    if bits.shape[0] * 32 < V:
+        raise ValueError(f"a token bitmask of {bits.shape[0]} words for a vocabulary of {V}")
+    with nogil:
+        for i in range(V):
+            out[i] = lg[i] if (bits[i >> 5] >> (i & 31)) & 1 else -INFINITY
+    return out
 
 
 cdef class Sampler:

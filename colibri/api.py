@@ -91,7 +91,8 @@ class LLM:
                  **settings) -> Completion:
         """Generate a continuation of ``prompt`` (text or token ids). ``settings``: any generation
         option (max_tokens, temperature, top_p, top_k, repeat_penalty, repeat_last_n,
-        frequency_penalty, presence_penalty, seed, draft, ignore_eos; None: the LLM's options).
+        frequency_penalty, presence_penalty, seed, draft, ignore_eos, json_schema, grammar; None: the
+        LLM's options).
         ``stop``: strings that end the generation (not included in the text); ``on_text(piece)``
         receives the text as it comes; ``cancel`` (an Event) ends it early. Returns a
         :class:`Completion`."""

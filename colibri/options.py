@@ -113,6 +113,16 @@ def _draft(v):
         return f"must be 'auto' or a depth 0..16, got {v!r}"
 
 
+def _json_schema(v):
+    from .grammar import check_json_schema
+    return check_json_schema(v)
+
+
+def _grammar(v):
+    from .grammar import check_grammar
+    return check_grammar(v)
+
+
 @dataclass
 class Options:
     """Settings of the engine, its expert tiers and generation; every field has the CLI's default.
@@ -186,6 +196,13 @@ class Options:
                                   "come from the model's MTP head, else from n-gram prompt lookup",
                                   metavar="N|auto", check=_draft)
     ignore_eos: bool = _opt(False, "generation", "keep generating past end-of-sequence tokens (benchmarks)")
+    json_schema: Optional[Union[str, dict]] = _opt(
+        None, "generation", "constrain the output to JSON that validates against this JSON schema (the schema's "
+        "text, or a .json file); e.g. '{\"type\": \"object\"}' for any JSON object", metavar="SCHEMA",
+        check=_json_schema)
+    grammar: Optional[str] = _opt(None, "generation", "constrain the output to this grammar (Lark, llguidance's "
+                                  "syntax, or llama.cpp's GBNF; the text or a file)", metavar="GRAMMAR",
+                                  check=_grammar)
 
     def __post_init__(self):
         self.validate()

@@ -156,6 +156,8 @@ def spec_line(s: dict) -> str:
     parts = [f"speculation: {s['tokens_per_forward']:.2f} tokens/forward",
              f"drafts proposed {s['drafts_proposed']}, accepted {s['drafts_accepted']} ({100 * s['acceptance']:.1f}%)"
              + (" | drafting turned off" if s["draft_off"] else "")]
+    if s.get("constrained"):
+        parts.append(f"grammar forced {s['forced_tokens']} tokens (free drafts)")
     if s.get("acceptance_by_position"):
         parts.append("by position " + " ".join(f"{100 * a:.0f}%" for a in s["acceptance_by_position"]))
     if s.get("mtp_hit_rate") is not None and s["drafts_proposed"]:

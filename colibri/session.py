@@ -132,6 +132,7 @@ class Session:
         self.eos = set(self.cfg.eos_ids)
         self.history: List[int] = []       # tokens whose KV rows are valid, from position 0
         self.policy = None                 # the last generation's draft policy (learns on: --draft auto)
+        self._lltok = None                 # llguidance's index of the tokenizer (built on first use)
         self.lock = threading.Lock()
 
     # -- state ------------------------------------------------------------------------------------
@@ -143,6 +144,17 @@ class Session:
     def adopt(self, history: Sequence[int]) -> None:
         """The KV rows hold ``history`` (restored from a file by colibri.kvstore)."""
         self.history = [int(t) for t in history]
+
+    def constraint(self, o: Options):
+        """The grammar constraint (colibri.grammar.Constraint) of a generation's options, None
+        without json_schema / grammar."""
+        from .grammar import Constraint, constraint_tokenizer, grammar_text
+        g = grammar_text(o.json_schema, o.grammar)
+        if g is None:
+            return None
+        if self._lltok is None:
+            self._lltok = constraint_tokenizer(self.tokenizer, self.cfg.vocab, sorted(self.eos))
+        return Constraint(self._lltok, g, self.cfg.vocab)
 
     def check_ids(self, ids) -> List[int]:
         ids = [int(t) for t in ids]
@@ -159,7 +171,7 @@ class Session:
                  cancel: Optional[threading.Event] = None, progress=None, **settings) -> Generation:
         """Generate a continuation of ``prompt_ids``. ``settings``: generation options for this call
         (max_tokens, temperature, top_p, top_k, repeat_penalty, repeat_last_n, frequency_penalty,
-        presence_penalty, seed, draft, ignore_eos; None or absent: the session's). ``stop``: strings
+        presence_penalty, seed, draft, ignore_eos, json_schema, grammar; None or absent: the session's). ``stop``: strings
         that end the generation (not in the text); ``on_text(piece)`` receives the text as it comes;
         ``cancel`` (an Event) ends it early; ``progress(done, total)`` is the prefill's progress
         callback."""
@@ -175,6 +187,7 @@ class Session:
         ids = self.check_ids(prompt_ids)
         check_room(len(ids), o.max_tokens, o.draft, self.context)
         seed = o.seed if o.seed is not None else new_seed()
+        con = self.constraint(o)
         tail = TextTail(self.tokenizer, stops)
         first = []                               # when the first text reached on_text
 
@@ -207,7 +220,7 @@ class Session:
             try:
                 out, kv = m.spec_decode(history, len(ids), o.max_tokens, logits,
                                         Sampler(self.cfg.vocab, seed=seed, **o.sampler_kwargs()), policy,
-                                        stops=() if o.ignore_eos else self.eos, emit=emit)
+                                        stops=() if o.ignore_eos else self.eos, emit=emit, constraint=con)
                 self.history = history[:kv]
                 if len(out) < o.max_tokens:
                     stopped_by = "eos"
@@ -235,6 +248,7 @@ class Session:
                 "mtp_hit_rate": m.cache.row_hit_rate(self.cfg.n_layers) if m.has_mtp else None,
                 "seed": seed, "finish_reason": "length" if stopped_by == "length" else "stop",
                 "stopped_by": stopped_by,
+                "constrained": con is not None, "forced_tokens": con.forced_tokens if con is not None else 0,
                 **policy.stats(), **m.lookahead.stats(),
             }
         return Generation(token_ids=list(out), text=tail.text, prompt_tokens=len(ids), prefill_tokens=len(ids) - common,

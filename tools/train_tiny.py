@@ -1183,6 +1183,7 @@ TUNE = dict(
 # before it converted, with TUNE updated by its entries.
 TUNE_ROUNDS = [
     {},
+    {"lr": 1.5e-4},
 ]
 
 
@@ -1276,6 +1277,7 @@ def models_from_container(container, work):
     _torch().manual_seed(SEED)
     cfg = build_config()
     lm, head = GlmMoeDsaForCausalLM(cfg), make_mtp_head(cfg)
+    head.init_weights(cfg.initializer_range)      # not torch.empty's garbage (a NaN fails the bit-exact check)
     save_checkpoint(lm, head, load_tokenizer(container), work, meta={})
     return models_from_state(work, dequantized_state(container, work))
 
@@ -1327,7 +1329,7 @@ def cmd_tune(args):
     routers = [m for m in list(lm.modules()) + list(head.modules()) if isinstance(m, hf.GlmMoeDsaTopkRouter)]
     mon = RouterMonitor(routers, E, K)
     opt = torch.optim.AdamW(param_groups([lm, head], tr["weight_decay"]), lr=tu["lr"], betas=tr["betas"], eps=1e-8)
-    rng = np.random.default_rng(SEED + 1)
+    rng = np.random.default_rng(SEED + args.round)                # each round its own prefixes
     T, B = tr["seq_len"], tr["batch"]
     lm.eval(); head.eval()
     h0, t0_, _ = eval_loss(lm, head, held, T, limit=tr["eval_windows"], fast=True)
@@ -1382,7 +1384,7 @@ def cmd_tune(args):
     tune_s = time.time() - t_run
     lm.eval(); head.eval()
     rnd = {"round": args.round, "from": os.path.relpath(os.path.abspath(args.model), ROOT), "params": tu,
-           "steps": steps, "seconds": round(tune_s, 1), "curve": curve, "seed": SEED + 1,
+           "steps": steps, "seconds": round(tune_s, 1), "curve": curve, "seed": SEED + args.round,
            "start_heldout_subset_loss": round(h0, 4)}
     meta["tune"].append(rnd)
     lm2 = save_checkpoint(lm, head, tok, args.out, meta)
