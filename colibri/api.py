@@ -173,7 +173,13 @@ class LLM:
     def chat_prefix(self) -> str:
         return "[gMASK]<sop>" if self.is_glm_chat() else ""
 
-    def chat_message(self, role: str, content: str) -> str:
+    def chat_message(self, role: str, content: str, tool_calls=()) -> str:
+        """One message in the fallback format; an assistant's tool calls follow its text in GLM's
+        format, and a tool's result is an ``observation`` message (GLM's role for it)."""
+        from .tools import render_call
+        if tool_calls:
+            content = content.strip() + "".join(render_call(c) for c in tool_calls)
+        role = "observation" if role == "tool" else role
         if self.is_glm_chat():
             return ("<|assistant|><think></think>" + content.strip()) if role == "assistant" else f"<|{role}|>{content}"
         return f"<|{role}|>\n{content}\n"
@@ -181,14 +187,25 @@ class LLM:
     def chat_reply_start(self) -> str:
         return "<|assistant|><think></think>" if self.is_glm_chat() else "<|assistant|>\n"
 
-    def render_chat(self, messages) -> str:
+    def render_chat(self, messages, tools=None) -> str:
         """The prompt text of a conversation ([{role, content}, ...]) in the model's chat format,
-        the assistant's turn opened."""
+        the assistant's turn opened. ``tools`` (colibri.tools.Tool objects): the functions the
+        model may call. Messages may be role 'tool' (a call's result) and an assistant's may hold
+        ``tool_calls`` (colibri.tools.ToolCall objects)."""
         msgs = _check_messages(messages)
+        tools = list(tools or [])
         if self.chat_template is not None:
-            return self.chat_template.render(msgs, add_generation_prompt=True)
-        return (self.chat_prefix() + "".join(self.chat_message(m["role"], m["content"]) for m in msgs)
-                + self.chat_reply_start())
+            return self.chat_template.render([_template_message(m) for m in msgs], add_generation_prompt=True,
+                                             tools=[t.as_openai() for t in tools] or None)
+        if tools:
+            from .tools import render_tools
+            sys_text = render_tools(tools)
+            if msgs[0]["role"] == "system":
+                msgs[0] = dict(msgs[0], content=msgs[0]["content"].rstrip() + "\n\n" + sys_text)
+            else:
+                msgs.insert(0, {"role": "system", "content": sys_text, "tool_calls": []})
+        return (self.chat_prefix() + "".join(self.chat_message(m["role"], m["content"], m["tool_calls"])
+                                             for m in msgs) + self.chat_reply_start())
 
     def chat_ids(self, messages) -> List[int]:
         """The prompt token ids of a conversation: render_chat, tokenized without the tokenizer's
@@ -200,20 +217,43 @@ class LLM:
         kw.setdefault("stop", ["<|user|>", "<|system|>"])
         return self.complete(self.chat_ids(messages), **kw).text
 
+    def special_token_ids(self) -> dict:
+        """{text: id} of GLM's tool-call tags that the tokenizer holds as special tokens."""
+        from .tools import TAGS
+        if self.tokenizer is None:
+            return {}
+        added = self.tokenizer.get_added_tokens_decoder()
+        return {t.content: i for i, t in added.items() if t.special and t.content in TAGS}
+
     def close(self):
         self.model.close()
 
 
 def _check_messages(messages) -> list:
+    """[{role, content, tool_calls}] copies; tool_calls (ToolCall objects) only on assistant turns."""
+    from .tools import ToolCall
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}] must be an object with string 'role' and 'content'")
-        if m["role"] not in ("system", "user", "assistant"):
-            raise ValueError(f"messages[{i}].role must be system, user or assistant, got {m['role']!r}")
-        out.append({"role": m["role"], "content": m["content"]})
+        if m["role"] not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"messages[{i}].role must be system, user, assistant or tool, got {m['role']!r}")
+        calls = list(m.get("tool_calls") or [])
+        if calls and (m["role"] != "assistant" or not all(isinstance(c, ToolCall) for c in calls)):
+            raise ValueError(f"messages[{i}].tool_calls: ToolCall objects on an assistant message")
+        out.append({"role": m["role"], "content": m["content"], "tool_calls": calls})
+    return out
+
+
+def _template_message(m: dict) -> dict:
+    """A message as chat templates read it (transformers' convention): tool calls as
+    {"type": "function", "function": {"name", "arguments": {...}}}."""
+    out = {"role": m["role"], "content": m["content"]}
+    if m["tool_calls"]:
+        out["tool_calls"] = [{"type": "function", "id": c.id,
+                              "function": {"name": c.name, "arguments": c.arguments}} for c in m["tool_calls"]]
     return out
 
 

@@ -5,9 +5,15 @@ Endpoints (JSON in, JSON or Server-Sent Events out; errors in OpenAI's shape
 
 - ``GET /v1/models``, ``GET /v1/models/{id}``: the one model served. Its id is the model folder's
   name, or ``colibri-default`` for the embedded default model.
-- ``POST /v1/chat/completions``: ``messages`` (roles system/developer/user/assistant; content a
-  string or a list of text parts), rendered with the model's chat template, or a fallback format
-  named at start-up when it has none (:meth:`LLM.render_chat`).
+- ``POST /v1/chat/completions``: ``messages`` (roles system/developer/user/assistant/tool; content a
+  string or a list of text parts; an assistant's ``tool_calls``), rendered with the model's chat
+  template, or a fallback format named at start-up when it has none (:meth:`LLM.render_chat`).
+  ``tools`` (functions with JSON-schema parameters) and ``tool_choice`` (auto, none, required, or
+  a named function): the model's calls, in GLM's format (colibri.tools), come back as
+  ``tool_calls`` (streamed as one delta per call, which the official client assembles) with
+  finish_reason ``tool_calls``; a required or named call is grammar-constrained, its arguments
+  valid for the tool's schema. A reply's ``<think>`` block comes back as ``reasoning_content``.
+  ``response_format``: ``json_object`` or ``json_schema`` constrain the output (colibri.grammar).
 - ``POST /v1/completions`` (legacy): ``prompt`` a string or a list of token ids (or a list holding
   one of those).
 - ``GET /health`` (never needs the API key): see :meth:`Scheduler.snapshot` for the counters.
@@ -19,14 +25,13 @@ engine option, 0.7; 0 = greedy), ``top_p`` ((0, 1], default 0.9), ``top_k`` (0 =
 ``repetition_penalty`` (or llama.cpp's ``repeat_penalty``; 1 = off), ``frequency_penalty`` and
 ``presence_penalty`` ([-2, 2]; the penalties look at the last ``repeat_last_n`` tokens, an engine
 option, 64), ``seed``, ``stop`` (a string or a list of up to 16), ``stream``, ``stream_options.include_usage``, ``n`` (only 1); ``user``,
-``safety_identifier``, ``prompt_cache_key``, ``metadata``, ``service_tier`` (auto/default) and
-``parallel_tool_calls`` are accepted and have no effect here. OpenAI fields this server cannot
-honour are refused with a 400 unless they carry their neutral value (null, false, 0, "none", [],
-{"type": "text"}, ...): tools / tool_choice / functions / function_call, logprobs / top_logprobs,
-n > 1, logit_bias, response_format other than text, audio,
-modalities other than text, prediction, reasoning_effort, store, echo, suffix, best_of > 1,
-message ``tool_calls``, roles tool/function, non-text content parts. Unknown fields are refused
-too (``unknown_parameter``): nothing is silently ignored.
+``safety_identifier``, ``prompt_cache_key``, ``metadata``, ``service_tier`` (auto/default) are
+accepted and have no effect here; ``parallel_tool_calls`` false makes a required call a single
+one. OpenAI fields this server cannot honour are refused with a 400 unless they carry their
+neutral value (null, false, 0, "none", [], ...): functions / function_call (send tools),
+logprobs / top_logprobs, n > 1, logit_bias, audio, modalities other than text, prediction,
+reasoning_effort, store, echo, suffix, best_of > 1, role function, non-text content parts.
+Unknown fields are refused too (``unknown_parameter``): nothing is silently ignored.
 
 Scheduling: the model generates for one request at a time. Requests that passed validation wait
 in a FIFO queue of at most ``max_queue`` entries; when it is full, or after waiting
@@ -59,6 +64,8 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 from urllib.parse import unquote, urlsplit
+
+from .tools import ReplyStream, call_grammar, parse_reply
 
 __all__ = ["make_server", "OpenAIServer", "Scheduler", "add_arguments", "run", "main", "DEFAULT_MODEL_ID"]
 
@@ -253,14 +260,11 @@ def _check_neutral(body: dict):
     def nonempty(name):
         return not _neutral(body.get(name), None, [], {})
 
-    for name in ("tools", "functions"):
-        if nonempty(name):
-            raise _unsupported(f"'{name}' is not supported: this server does not do tool or function calling",
-                               name)
-    for name in ("tool_choice", "function_call"):
-        if not _neutral(body.get(name), None, "none"):
-            raise _unsupported(f"'{name}' is not supported: this server does not do tool or function calling",
-                               name)
+    if nonempty("functions"):
+        raise _unsupported("'functions' is not supported (deprecated by OpenAI): send 'tools'", "functions")
+    if not _neutral(body.get("function_call"), None, "none"):
+        raise _unsupported("'function_call' is not supported (deprecated by OpenAI): send 'tool_choice'",
+                           "function_call")
     if not _neutral(body.get("parallel_tool_calls"), None, True, False):
         raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls", "invalid_type")
     if not _neutral(body.get("logprobs"), None, False):
@@ -271,10 +275,6 @@ def _check_neutral(body: dict):
                            "top_logprobs")
     if nonempty("logit_bias"):
         raise _unsupported("'logit_bias' is not supported", "logit_bias")
-    rf = body.get("response_format")
-    if rf is not None and rf != {"type": "text"}:
-        raise _unsupported("'response_format' is not supported: only {\"type\": \"text\"} (no JSON mode or "
-                           "structured outputs)", "response_format")
     if not _neutral(body.get("modalities"), None, ["text"]):
         raise _unsupported("'modalities' is not supported: only [\"text\"]", "modalities")
     for name in ("audio", "prediction", "web_search_options", "verbosity"):
@@ -388,7 +388,105 @@ def _sampling(body: dict, defaults) -> dict:
     return out
 
 
-_MESSAGE_KEYS = {"role", "content", "name", "refusal", "tool_calls", "function_call", "audio"}
+def _response_format(rf):
+    """OpenAI's response_format -> the JSON schema the output must follow (None: free text)."""
+    from .grammar import GrammarError, grammar_text
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise _bad("'response_format' must be an object with a 'type'", "response_format", "invalid_type")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise _bad(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                   "response_format.type")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+        raise _bad("response_format.json_schema must be an object with a 'name' and a 'schema'",
+                   "response_format.json_schema", "invalid_type")
+    schema = js.get("schema", {})
+    try:
+        grammar_text(json_schema=schema)
+    except GrammarError as e:
+        raise _bad(f"response_format.json_schema.schema is not a usable JSON schema: {e}",
+                   "response_format.json_schema.schema") from None
+    return schema
+
+
+def _tools(body: dict):
+    """(tools, choice) of a chat request: colibri.tools.Tool objects, and 'auto', 'none',
+    'required' or the name of the function the model must call."""
+    from .tools import Tool, ToolError, check_schema, check_tools
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    if raw is None:
+        raw = []
+    if not isinstance(raw, list):
+        raise _bad("'tools' must be a list of {\"type\": \"function\", \"function\": {...}} objects", "tools",
+                   "invalid_type")
+    tools = []
+    try:
+        for i, t in enumerate(raw):
+            where = f"tools[{i}]"
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+                raise ToolError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}", where)
+            f = t["function"]
+            if not isinstance(f.get("name"), str):
+                raise ToolError(f"{where}.function.name must be a string", f"{where}.function.name")
+            if f.get("description") is not None and not isinstance(f["description"], str):
+                raise ToolError(f"{where}.function.description must be a string", f"{where}.function.description")
+            tools.append(Tool(f["name"], f.get("description") or "",
+                              check_schema(f.get("parameters"), f"{where}.function.parameters")))
+        tools = check_tools(tools)
+    except ToolError as e:
+        raise _bad(str(e), e.param) from None
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad("'tool_choice' must be auto, none, required or {\"type\": \"function\", \"function\": "
+                       "{\"name\": ...}}", "tool_choice", "invalid_type")
+        if fn["name"] not in {t.name for t in tools}:
+            raise _bad(f"'tool_choice' names the function {fn['name']!r}, which is not in 'tools'", "tool_choice")
+        return tools, fn["name"]
+    if choice not in ("auto", "none", "required"):
+        raise _bad(f"'tool_choice' must be auto, none, required or a function, got {choice!r}", "tool_choice")
+    if choice == "required" and not tools:
+        raise _bad("'tool_choice' is 'required' but 'tools' is empty", "tool_choice")
+    return tools, choice
+
+
+def _tool_calls(m: dict, where: str) -> list:
+    """An assistant message's tool_calls -> ToolCall objects (arguments: a JSON object text)."""
+    from .tools import ToolCall
+    raw = m.get("tool_calls")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise _bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls", "invalid_type")
+    calls = []
+    for j, c in enumerate(raw):
+        cw = f"{where}.tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(f"{cw} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}",
+                       cw, "invalid_type")
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            raise _bad(f"{cw}.function.arguments is not JSON", f"{cw}.function.arguments") from None
+        if not isinstance(args, dict):
+            raise _bad(f"{cw}.function.arguments must be a JSON object", f"{cw}.function.arguments")
+        calls.append(ToolCall(fn["name"], args, c.get("id") if isinstance(c.get("id"), str) else ""))
+    return calls
+
+
+_MESSAGE_KEYS = {"role", "content", "name", "refusal", "tool_calls", "tool_call_id", "function_call", "audio",
+                 "reasoning_content"}
 
 
 def _messages(messages) -> list:
@@ -407,14 +505,18 @@ def _messages(messages) -> list:
         role = m.get("role")
         if not isinstance(role, str):
             raise _bad(f"{where}.role must be a string", f"{where}.role", "invalid_type")
-        if role in ("tool", "function"):
-            raise _unsupported(f"{where}: role '{role}' is not supported: this server does not do tool or "
-                               "function calling", f"{where}.role", "unsupported_value")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise _bad(f"{where}.role must be system, developer, user or assistant, got {role!r}", f"{where}.role")
-        for key in ("tool_calls", "function_call", "audio"):
+        if role == "function":
+            raise _unsupported(f"{where}: role 'function' is not supported (deprecated by OpenAI): send role "
+                               "'tool'", f"{where}.role", "unsupported_value")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise _bad(f"{where}.role must be system, developer, user, assistant or tool, got {role!r}",
+                       f"{where}.role")
+        for key in ("function_call", "audio"):
             if m.get(key) not in (None, []):
                 raise _unsupported(f"{where}.{key} is not supported", f"{where}.{key}")
+        calls = _tool_calls(m, where) if role == "assistant" else []
+        if role != "assistant" and m.get("tool_calls") not in (None, []):
+            raise _bad(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
         if m.get("refusal") is not None and not isinstance(m["refusal"], str):
             raise _bad(f"{where}.refusal must be a string", f"{where}.refusal", "invalid_type")
         if m.get("name") is not None and not isinstance(m["name"], str):
@@ -433,10 +535,12 @@ def _messages(messages) -> list:
                     raise _bad(f"{pw}.text must be a string", f"{pw}.text", "invalid_type")
                 texts.append(part["text"])
             content = "".join(texts)
+        elif content is None and calls:
+            content = ""
         elif not isinstance(content, str):
             raise _bad(f"{where}.content must be a string or a list of text parts", f"{where}.content",
                        "invalid_type")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append({"role": "system" if role == "developer" else role, "content": content, "tool_calls": calls})
     return out
 
 
@@ -749,12 +853,23 @@ class _Handler(BaseHTTPRequestHandler):
             if "messages" not in body:
                 raise _bad("'messages' is required", "messages", "missing_required_parameter")
             msgs = _messages(body["messages"])
+            tools, choice = _tools(body)
+            shown = tools if choice != "none" else []
             try:
-                prompt = llm.render_chat(msgs)
+                prompt = llm.render_chat(msgs, tools=shown)
             except ValueError as e:
                 raise _bad(str(e), "messages") from None
             ids = self._encode(prompt, "messages", add_special_tokens=False)     # the format holds them
             req["stop"] = list(_ROLE_STOPS) + req["stop"]
+            req["json_schema"] = _response_format(body.get("response_format"))
+            req["tools"], req["thinking"] = shown, prompt.rstrip().endswith("<think>")
+            if choice not in ("auto", "none"):
+                if req["json_schema"] is not None:
+                    raise _bad("'response_format' and a required tool call exclude each other", "response_format")
+                forced = [t for t in tools if choice == "required" or t.name == choice]
+                req["grammar"] = call_grammar(forced, several=choice == "required" and
+                                              body.get("parallel_tool_calls") is not False,
+                                              tags=llm.special_token_ids())
         else:
             if "prompt" not in body:
                 raise _bad("'prompt' is required", "prompt", "missing_required_parameter")
@@ -811,7 +926,8 @@ class _Handler(BaseHTTPRequestHandler):
         kw = dict(max_tokens=req["max_tokens"], temperature=req["temperature"], top_p=req["top_p"],
                   top_k=req["top_k"], repeat_penalty=req["repeat_penalty"],
                   frequency_penalty=req["frequency_penalty"], presence_penalty=req["presence_penalty"],
-                  seed=req["seed"], stop=req["stop"], cancel=ticket.cancel)
+                  seed=req["seed"], stop=req["stop"], cancel=ticket.cancel,
+                  json_schema=req.get("json_schema"), grammar=req.get("grammar"))
         waited = srv.scheduler.acquire(ticket)           # 429 / 503 raised here, before any header
         created = int(time.time())
         headers = {"x-request-id": self.request_id, "x-colibri-queue-wait-ms": str(int(waited * 1000))}
@@ -830,7 +946,7 @@ class _Handler(BaseHTTPRequestHandler):
             if ticket.shutdown:
                 error = _closed_error()
             else:
-                payload = _response(chat, cid, created, srv.model_id, result)
+                payload = _response(chat, cid, created, srv.model_id, result, req)
                 ok = True
         except ValueError as e:                          # only the engine could tell
             error = _bad(str(e))
@@ -854,9 +970,10 @@ class _Handler(BaseHTTPRequestHandler):
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage_null = {"usage": None} if req["include_usage"] else {}
 
-        def chunk(piece=None, finish=None, role=False):
+        def chunk(piece=None, finish=None, role=False, delta=None):
             if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({} if piece is None else {"content": piece})
+                if delta is None:
+                    delta = {"role": "assistant", "content": ""} if role else ({} if piece is None else {"content": piece})
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
@@ -885,8 +1002,26 @@ class _Handler(BaseHTTPRequestHandler):
             writer.start()
             if chat:
                 writer.put(chunk(role=True))
+            split = ReplyStream(req["tools"], req["thinking"]) if chat and (req["tools"] or req["thinking"]) else None
+            calls = []
+
+            def send(events):
+                for kind, v in events:
+                    if kind == "call":
+                        writer.put(chunk(delta={"tool_calls": [_openai_call(v, len(calls))]}))
+                        calls.append(v)
+                    else:
+                        writer.put(chunk(delta={"reasoning_content" if kind == "reasoning" else "content": v}))
+
+            def on_text(piece):
+                if split is None:
+                    writer.put(chunk(piece))
+                else:
+                    send(split.feed(piece))
             try:
-                result = srv.llm.complete(req["ids"], on_text=lambda p: writer.put(chunk(p)), **kw)
+                result = srv.llm.complete(req["ids"], on_text=on_text, **kw)
+                if split is not None:
+                    send(split.finish())
                 if ticket.shutdown:
                     writer.put(_sse(_closed_error().body()))
                 else:
@@ -901,7 +1036,7 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             srv.scheduler.release(ticket, ok, cancelled=writer.failed)
         if ok:
-            writer.put(chunk(finish=result.finish_reason))
+            writer.put(chunk(finish="tool_calls" if calls else result.finish_reason))
             if req["include_usage"]:
                 writer.put(_sse({"id": cid, "object": obj, "created": created, "model": srv.model_id,
                                  "choices": [], "usage": _usage(result)}))
@@ -920,10 +1055,25 @@ def _usage(c) -> dict:
             "prompt_tokens_details": {"cached_tokens": max(c.prompt_tokens - c.prefill_tokens, 0)}}
 
 
-def _response(chat: bool, cid: str, created: int, model: str, c) -> dict:
+def _openai_call(call, index=None) -> dict:
+    out = {"id": call.id, "type": "function",
+           "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    return out if index is None else {"index": index, **out}
+
+
+def _response(chat: bool, cid: str, created: int, model: str, c, req=None) -> dict:
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": c.text, "refusal": None},
-                  "logprobs": None, "finish_reason": c.finish_reason}
+        message = {"role": "assistant", "content": c.text, "refusal": None}
+        finish = c.finish_reason
+        if req and (req.get("tools") or req.get("thinking")):
+            reasoning, content, calls = parse_reply(c.text, req.get("tools") or [])
+            message["content"] = content if content or not calls else None
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [_openai_call(k) for k in calls]
+                finish = "tool_calls"
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
     return {"id": cid, "object": "chat.completion" if chat else "text_completion", "created": created,
