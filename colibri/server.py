@@ -874,6 +874,14 @@ class _Handler(BaseHTTPRequestHandler):
             if "prompt" not in body:
                 raise _bad("'prompt' is required", "prompt", "missing_required_parameter")
             ids = self._prompt_ids(body["prompt"])
+        self._fit(req, ids, "messages" if chat else "prompt")
+        self._generate(req, lambda created: _OpenAIEncoder(chat, srv.model_id, req, created))
+
+    def _fit(self, req: dict, ids, param: str):
+        """req["max_tokens"] (None: the engine's default, clipped to the room left) checked against
+        the context the prompt ``ids`` leave; sets req["ids"]. ``param``: the prompt's field."""
+        srv = self.server
+        llm = srv.llm
         n = len(ids)
         room = srv.context - n - srv.draft_room
         limit = srv.context - srv.draft_room
@@ -881,7 +889,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise _bad(f"the prompt is {n} tokens long, which leaves no room in this model's context of "
                        f"{srv.context} positions ({srv.draft_room} of them reserved for speculative drafts: a "
                        f"prompt may have at most {limit - 1} tokens)",
-                       "messages" if chat else "prompt", "context_length_exceeded")
+                       param, "context_length_exceeded")
         max_tokens = req["max_tokens"]
         if max_tokens is None:
             max_tokens = min(llm.options.max_tokens, room)
@@ -892,7 +900,6 @@ class _Handler(BaseHTTPRequestHandler):
                        f"at most {room} completion tokens fit after this prompt", req["max_tokens_param"],
                        "context_length_exceeded")
         req["max_tokens"], req["ids"] = max_tokens, ids
-        self._generate(req, chat)
 
     def _encode(self, text: str, param: str, add_special_tokens: bool = True):
         try:
@@ -919,24 +926,25 @@ class _Handler(BaseHTTPRequestHandler):
             raise _bad(f"token id {bad[0]} in 'prompt' is outside the vocabulary [0, {vocab})", "prompt")
         return list(prompt)
 
-    def _generate(self, req: dict, chat: bool):
+    def _generate(self, req: dict, encoder):
+        """Generate for a validated request; ``encoder(created)`` makes the object that writes the
+        answer in the endpoint's shapes (response, begin/text/end stream events, error event)."""
         srv = self.server
         ticket = _Ticket()
-        cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         kw = dict(max_tokens=req["max_tokens"], temperature=req["temperature"], top_p=req["top_p"],
                   top_k=req["top_k"], repeat_penalty=req["repeat_penalty"],
                   frequency_penalty=req["frequency_penalty"], presence_penalty=req["presence_penalty"],
                   seed=req["seed"], stop=req["stop"], cancel=ticket.cancel,
                   json_schema=req.get("json_schema"), grammar=req.get("grammar"))
         waited = srv.scheduler.acquire(ticket)           # 429 / 503 raised here, before any header
-        created = int(time.time())
+        enc = encoder(int(time.time()))
         headers = {"x-request-id": self.request_id, "x-colibri-queue-wait-ms": str(int(waited * 1000))}
         if _client_gone(self.connection):                # left while it waited: nothing to generate
             srv.scheduler.release(ticket, True, cancelled=True)
             self.close_connection = True
             return
         if req["stream"]:
-            self._stream(req, chat, ticket, cid, created, headers, kw)
+            self._stream(req, enc, ticket, headers, kw)
             return
         ok, error = False, None
         watch = _Writer(self, ticket.cancel, chunked=False)          # watches the connection
@@ -946,7 +954,7 @@ class _Handler(BaseHTTPRequestHandler):
             if ticket.shutdown:
                 error = _closed_error()
             else:
-                payload = _response(chat, cid, created, srv.model_id, result, req)
+                payload = enc.response(result)
                 ok = True
         except ValueError as e:                          # only the engine could tell
             error = _bad(str(e))
@@ -964,23 +972,14 @@ class _Handler(BaseHTTPRequestHandler):
             raise error
         self._send_json(200, payload, headers)
 
-    def _stream(self, req, chat, ticket, cid, created, headers, kw):
+    def _stream(self, req, enc, ticket, headers, kw):
         srv = self.server
         chunked = self.request_version == "HTTP/1.1"
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        usage_null = {"usage": None} if req["include_usage"] else {}
-
-        def chunk(piece=None, finish=None, role=False, delta=None):
-            if chat:
-                if delta is None:
-                    delta = {"role": "assistant", "content": ""} if role else ({} if piece is None else {"content": piece})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
-            return _sse({"id": cid, "object": obj, "created": created, "model": srv.model_id,
-                         "choices": [choice], **usage_null})
-
         writer = _Writer(self, ticket.cancel, chunked)
+
+        def put(events):
+            for e in events:
+                writer.put(e)
         ok, result = False, None
         try:
             try:
@@ -1000,30 +999,11 @@ class _Handler(BaseHTTPRequestHandler):
                 ticket.cancel.set()
                 writer.failed = True
             writer.start()
-            if chat:
-                writer.put(chunk(role=True))
-            split = ReplyStream(req["tools"], req["thinking"]) if chat and (req["tools"] or req["thinking"]) else None
-            calls = []
-
-            def send(events):
-                for kind, v in events:
-                    if kind == "call":
-                        writer.put(chunk(delta={"tool_calls": [_openai_call(v, len(calls))]}))
-                        calls.append(v)
-                    else:
-                        writer.put(chunk(delta={"reasoning_content" if kind == "reasoning" else "content": v}))
-
-            def on_text(piece):
-                if split is None:
-                    writer.put(chunk(piece))
-                else:
-                    send(split.feed(piece))
+            put(enc.begin())
             try:
-                result = srv.llm.complete(req["ids"], on_text=on_text, **kw)
-                if split is not None:
-                    send(split.finish())
+                result = srv.llm.complete(req["ids"], on_text=lambda piece: put(enc.text(piece)), **kw)
                 if ticket.shutdown:
-                    writer.put(_sse(_closed_error().body()))
+                    writer.put(enc.error(_closed_error()))
                 else:
                     ok = True
             except Exception as e:
@@ -1032,21 +1012,71 @@ class _Handler(BaseHTTPRequestHandler):
                 err = ApiError(400, str(e)) if isinstance(e, ValueError) else \
                     ApiError(500, f"generation failed: {type(e).__name__}: {e}", type="server_error",
                              code="internal_error")
-                writer.put(_sse(err.body()))
+                writer.put(enc.error(err))
         finally:
             srv.scheduler.release(ticket, ok, cancelled=writer.failed)
         if ok:
-            writer.put(chunk(finish="tool_calls" if calls else result.finish_reason))
-            if req["include_usage"]:
-                writer.put(_sse({"id": cid, "object": obj, "created": created, "model": srv.model_id,
-                                 "choices": [], "usage": _usage(result)}))
-            writer.put(b"data: [DONE]\n\n")
+            put(enc.end(result))
         else:
             self.close_connection = True
         writer.put(_END)
         writer.finish(srv.client_timeout + 5)
         if writer.failed:
             self.close_connection = True
+
+
+class _OpenAIEncoder:
+    """OpenAI's shapes of one answer: the response object, and the stream's chunks (a chat's tool
+    calls and reasoning split out of the text by colibri.tools.ReplyStream)."""
+
+    def __init__(self, chat: bool, model: str, req: dict, created: int):
+        self.chat, self.model, self.req, self.created = chat, model, req, created
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.obj = "chat.completion.chunk" if chat else "text_completion"
+        self.usage_null = {"usage": None} if req["include_usage"] else {}
+        parse = chat and (req.get("tools") or req.get("thinking"))
+        self.split = ReplyStream(req.get("tools") or [], req.get("thinking", False)) if parse else None
+        self.calls = 0
+
+    def response(self, c) -> dict:
+        return _response(self.chat, self.id, self.created, self.model, c, self.req)
+
+    def _chunk(self, piece=None, finish=None, delta=None) -> bytes:
+        if self.chat:
+            if delta is None:
+                delta = {} if piece is None else {"content": piece}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+        return _sse({"id": self.id, "object": self.obj, "created": self.created, "model": self.model,
+                     "choices": [choice], **self.usage_null})
+
+    def begin(self) -> list:
+        return [self._chunk(delta={"role": "assistant", "content": ""})] if self.chat else []
+
+    def _events(self, events) -> list:
+        out = []
+        for kind, v in events:
+            if kind == "call":
+                out.append(self._chunk(delta={"tool_calls": [_openai_call(v, self.calls)]}))
+                self.calls += 1
+            else:
+                out.append(self._chunk(delta={"reasoning_content" if kind == "reasoning" else "content": v}))
+        return out
+
+    def text(self, piece: str) -> list:
+        return [self._chunk(piece)] if self.split is None else self._events(self.split.feed(piece))
+
+    def end(self, c) -> list:
+        out = self._events(self.split.finish()) if self.split is not None else []
+        out.append(self._chunk(finish="tool_calls" if self.calls else c.finish_reason))
+        if self.req["include_usage"]:
+            out.append(_sse({"id": self.id, "object": self.obj, "created": self.created, "model": self.model,
+                             "choices": [], "usage": _usage(c)}))
+        return out + [b"data: [DONE]\n\n"]
+
+    def error(self, err: "ApiError") -> bytes:
+        return _sse(err.body())
 
 
 def _usage(c) -> dict:
