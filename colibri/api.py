@@ -184,19 +184,24 @@ class LLM:
             return ("<|assistant|><think></think>" + content.strip()) if role == "assistant" else f"<|{role}|>{content}"
         return f"<|{role}|>\n{content}\n"
 
-    def chat_reply_start(self) -> str:
-        return "<|assistant|><think></think>" if self.is_glm_chat() else "<|assistant|>\n"
+    def chat_reply_start(self, thinking: bool = False) -> str:
+        """The opening of the assistant's turn; GLM's format opens a reasoning block when thinking."""
+        if self.is_glm_chat():
+            return "<|assistant|><think>" if thinking else "<|assistant|><think></think>"
+        return "<|assistant|>\n"
 
-    def render_chat(self, messages, tools=None) -> str:
+    def render_chat(self, messages, tools=None, thinking: Optional[bool] = None) -> str:
         """The prompt text of a conversation ([{role, content}, ...]) in the model's chat format,
         the assistant's turn opened. ``tools`` (colibri.tools.Tool objects): the functions the
         model may call. Messages may be role 'tool' (a call's result) and an assistant's may hold
-        ``tool_calls`` (colibri.tools.ToolCall objects)."""
+        ``tool_calls`` (colibri.tools.ToolCall objects). ``thinking``: whether the reply opens with
+        a reasoning block (the template's ``enable_thinking``; None: the template's default)."""
         msgs = _check_messages(messages)
         tools = list(tools or [])
         if self.chat_template is not None:
+            extra = {} if thinking is None else {"enable_thinking": bool(thinking)}
             return self.chat_template.render([_template_message(m) for m in msgs], add_generation_prompt=True,
-                                             tools=[t.as_openai() for t in tools] or None)
+                                             tools=[t.as_openai() for t in tools] or None, **extra)
         if tools:
             from .tools import render_tools
             sys_text = render_tools(tools)
@@ -205,7 +210,7 @@ class LLM:
             else:
                 msgs.insert(0, {"role": "system", "content": sys_text, "tool_calls": []})
         return (self.chat_prefix() + "".join(self.chat_message(m["role"], m["content"], m["tool_calls"])
-                                             for m in msgs) + self.chat_reply_start())
+                                             for m in msgs) + self.chat_reply_start(bool(thinking)))
 
     def chat_ids(self, messages) -> List[int]:
         """The prompt token ids of a conversation: render_chat, tokenized without the tokenizer's

@@ -65,6 +65,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Optional
 from urllib.parse import unquote, urlsplit
 
+from .messages_api import MessagesEncoder, MessagesError, count_request, error_body
+from .messages_api import parse as parse_messages
 from .tools import ReplyStream, call_grammar, parse_reply
 
 __all__ = ["make_server", "OpenAIServer", "Scheduler", "add_arguments", "run", "main", "DEFAULT_MODEL_ID"]
@@ -695,6 +697,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str):
         self.request_id = "req_" + uuid.uuid4().hex
         self._body_pending = True           # until the body has been read
+        self.anthropic = urlsplit(self.path).path.rstrip("/").startswith("/v1/messages")   # its error shape
         try:
             try:
                 self._route(method)
@@ -710,7 +713,8 @@ class _Handler(BaseHTTPRequestHandler):
             if self._body_pending:
                 self.close_connection = True
             try:
-                self._send_json(e.status, e.body(), {"x-request-id": self.request_id, **e.headers})
+                body = error_body(e.status, e.message) if self.anthropic else e.body()
+                self._send_json(e.status, body, {"x-request-id": self.request_id, **e.headers})
             except OSError:
                 self.close_connection = True
         except (OSError, ValueError):        # the client went away while we wrote to it
@@ -748,8 +752,13 @@ class _Handler(BaseHTTPRequestHandler):
             body = self._json_body()
             self._completion(body, chat=path == "/v1/chat/completions")
             return
+        if path in ("/v1/messages", "/v1/messages/count_tokens"):
+            self._allow(method, ("POST",))
+            self._auth()
+            self._messages(self._json_body(), count=path.endswith("count_tokens"))
+            return
         raise ApiError(404, f"Invalid URL ({method} {path}): this server answers /v1/models, "
-                            "/v1/chat/completions, /v1/completions and /health", code="not_found")
+                            "/v1/chat/completions, /v1/completions, /v1/messages and /health", code="not_found")
 
     def _allow(self, method, allowed):
         if method not in allowed:
@@ -761,6 +770,10 @@ class _Handler(BaseHTTPRequestHandler):
         if not key:
             return
         given = self.headers.get("Authorization")
+        if self.anthropic and self.headers.get("x-api-key") is not None:        # Anthropic's header
+            if not hmac.compare_digest(self.headers["x-api-key"].encode("utf-8", "replace"), key.encode()):
+                raise ApiError(401, "invalid x-api-key", code="invalid_api_key")
+            return
         if given is None:
             raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -876,6 +889,20 @@ class _Handler(BaseHTTPRequestHandler):
             ids = self._prompt_ids(body["prompt"])
         self._fit(req, ids, "messages" if chat else "prompt")
         self._generate(req, lambda created: _OpenAIEncoder(chat, srv.model_id, req, created))
+
+    def _messages(self, body: dict, count: bool):
+        """Anthropic's POST /v1/messages (and its count_tokens)."""
+        srv = self.server
+        try:
+            if count:
+                ids = self._encode(count_request(body, srv.llm), "messages", add_special_tokens=False)
+                self._send_json(200, {"input_tokens": len(ids)}, {"x-request-id": self.request_id})
+                return
+            req = parse_messages(body, srv.llm, _ROLE_STOPS)
+        except MessagesError as e:
+            raise _bad(str(e)) from None
+        self._fit(req, self._encode(req["prompt"], "messages", add_special_tokens=False), "messages")
+        self._generate(req, lambda created: MessagesEncoder(srv.model_id, req, created))
 
     def _fit(self, req: dict, ids, param: str):
         """req["max_tokens"] (None: the engine's default, clipped to the room left) checked against

@@ -60,6 +60,7 @@ class TextTail:
     def __init__(self, tok, stops: Sequence[str]):
         self.tok, self.stops, self.ids = tok, [s for s in stops if s], []
         self.text, self.shown = "", 0
+        self.matched: Optional[str] = None     # the stop string that ended the text
 
     def push(self, t: int) -> str:
         self.ids.append(t)
@@ -73,7 +74,7 @@ class TextTail:
         for s in self.stops:
             i = self.text.find(s, max(self.shown - len(s), 0))
             if i >= 0:
-                self.text = self.text[:i]
+                self.text, self.matched = self.text[:i], s
                 raise _Stop
         safe = len(self.text)
         for s in self.stops:                # hold back a suffix that may grow into a stop string
@@ -105,6 +106,7 @@ class Generation:
     stopped_by: str
     seed: int
     stats: dict = field(default_factory=dict)
+    stop_string: Optional[str] = None  # the stop string that ended it (stopped_by 'stop')
 
     @property
     def completion_tokens(self) -> int:
@@ -252,7 +254,8 @@ class Session:
                 **policy.stats(), **m.lookahead.stats(),
             }
         return Generation(token_ids=list(out), text=tail.text, prompt_tokens=len(ids), prefill_tokens=len(ids) - common,
-                          finish_reason=stats["finish_reason"], stopped_by=stopped_by, seed=seed, stats=stats)
+                          finish_reason=stats["finish_reason"], stopped_by=stopped_by, seed=seed, stats=stats,
+                          stop_string=tail.matched if stopped_by == "stop" else None)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:

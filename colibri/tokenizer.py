@@ -93,12 +93,13 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ModelFileError(f"{source}: the chat template does not parse ({e})") from None
 
-    def render(self, messages: list, add_generation_prompt: bool = True, tools=None) -> str:
+    def render(self, messages: list, add_generation_prompt: bool = True, tools=None, **extra) -> str:
         """The prompt text of ``messages`` ([{role, content}, ...]), ending with the assistant's
-        turn opened when ``add_generation_prompt``; ``tools``: OpenAI-shaped function tools."""
+        turn opened when ``add_generation_prompt``; ``tools``: OpenAI-shaped function tools;
+        ``extra``: the template's own variables (GLM's ``enable_thinking``)."""
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, documents=None, **self.special_tokens)
+                                         tools=tools, documents=None, **self.special_tokens, **extra)
         except _TemplateRaised as e:
             raise ModelFileError(f"{self.source}: the chat template rejects this conversation: {e}") from None
         except Exception as e:      # a template is a program: any error of its own is reported with the file

@@ -221,6 +221,8 @@ class ReplyStream:
                     self.buf = self.buf[len(self.buf) - keep:]
                 return out
             if self.mode == "content":
+                if self.calls and not self.buf.strip():
+                    return out                        # the whitespace between calls is not content
                 i = self.buf.find(CALL_OPEN)
                 if i >= 0:
                     if i:
@@ -248,7 +250,7 @@ class ReplyStream:
     def finish(self) -> list:
         """What is left at the end of the reply (an unfinished call is sent as content)."""
         rest, self.buf = self.buf, ""
-        if not rest:
+        if not rest or (self.calls and self.mode == "content" and not rest.strip()):
             return []
         kind = "reasoning" if self.mode == "reasoning" else "content"
         return [(kind, rest)]
