@@ -167,6 +167,8 @@ class Constraint:
         self.out = np.zeros(self.vocab, np.float32)                 # [V] masked logits
         self.eos = set(lltok.eos_tokens)
         self.forced_tokens = 0
+        from .options import switch
+        self.forcing = switch("FORCED_DRAFTS") != "0"
 
     def _fill(self):
         self.m.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
@@ -199,6 +201,8 @@ class Constraint:
         the current state (stops before an end-of-sequence token); the matcher is left as it was."""
         import numpy as np
         out: List[int] = []
+        if not self.forcing:
+            return out
         try:
             while len(out) < limit and not self.m.is_stopped():
                 self._fill()

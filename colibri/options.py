@@ -436,6 +436,8 @@ SWITCHES = {
                         "mapping; model"),
     "MMAP": ("auto", "1 uses container experts in place in the file mapping, 0 reads them, auto: in "
                      "place unless the tiles want interleaved rows; model"),
+    "FORCED_DRAFTS": ("1", "0: a grammar's forced tokens are not put into verify forwards as drafts (A/B "
+                           "of grammar-constrained decoding)"),
     "USAGE_DIR": ("", "folder for routing histories and chat sessions (instead of next to the model)"),
     "CONVERT_STOP_AFTER": ("", "tests: the converter stops after N shards, as if killed"),
 }
