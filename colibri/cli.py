@@ -29,7 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
                               "  python -m colibri run -m /data/glm52 \"Hello\" -n 128 --ram 24\n"
                               "  python -m colibri run -m DIR --prompt-ids 3,14,15 -t 0 --stats-json stats.json\n"
                               "  python -m colibri run -m DIR -p \"$(cat long_prompt.txt)\" --batch 512   "
-                              "# prefill in pieces of 512 tokens")
+                              "# prefill in pieces of 512 tokens\n"
+                              "  python -m colibri run \"# a user record\" --json-schema person.json   "
+                              "# output valid for a JSON schema\n"
+                              "  python -m colibri run \"Proceed?\" --grammar 'root ::= \"yes\" | \"no\"'")
     r.add_argument("prompt", nargs="?", default=None, help="prompt text (needs tokenizer.json in the model)")
     r.add_argument("--prompt", "-p", dest="prompt_text", default=None, metavar="TEXT",
                    help="the prompt text as an option (instead of the positional PROMPT)")

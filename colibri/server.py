@@ -1232,7 +1232,7 @@ def add_arguments(p: argparse.ArgumentParser):
                    help="require 'Authorization: Bearer KEY' (default: the COLIBRI_API_KEY environment variable; "
                         "none = no authentication)")
     p.add_argument("--access-log", action="store_true", help="print one line per HTTP request on stderr")
-    add_options(p)
+    add_options(p, skip=("json_schema", "grammar"))      # a request constrains its own output
 
 
 def run(args) -> int:
