@@ -154,3 +154,46 @@ def test_parse_reply_and_its_stream_agree():
 def test_call_grammar_uses_special_tokens_for_tags():
     g = call_grammar([Tool("f", "", SEARCH)], tags={"<tool_call>": 7, "</tool_call>": 8})
     assert "<[7]>" in g and "<[8]>" in g and '"<arg_key>' in g
+
+
+# A template in the style of GLM's: the tool list as JSON (tojson with keyword arguments, which
+# plain Jinja lacks), past calls in GLM's format, results as observation turns.
+TOOL_TEMPLATE = """[gMASK]<sop>
+{%- if tools -%}<|system|>Tools:{% for t in tools %}
+{{ t.function | tojson(ensure_ascii=False) }}{% endfor %}{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}<|assistant|>{{ m.content }}
+{%- for tc in m.tool_calls or [] -%}<tool_call>{{ tc.function.name }}
+{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v if v is string else v | tojson(ensure_ascii=False) }}</arg_value>
+{% endfor %}</tool_call>{%- endfor -%}
+{%- elif m.role == 'tool' -%}<|observation|>{{ m.content }}
+{%- else -%}<|{{ m.role }}|>{{ m.content }}{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"""
+
+
+def test_tools_through_the_models_own_template(tmp_path):
+    from conftest import model_folder
+    d = model_folder(tmp_path, {"chat_template.jinja": TOOL_TEMPLATE})
+    llm = colibri.load(str(d), temperature=0.7, max_tokens=200)
+    try:
+        with serving(llm) as s:
+            api = client(s)
+            r = api.chat.completions.create(model="model", messages=ASK, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, seed=4)
+            (call,) = r.choices[0].message.tool_calls
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+            turn = ASK + [r.choices[0].message.model_dump(include={"role", "content", "tool_calls"}),
+                          {"role": "tool", "tool_call_id": call.id, "content": "Paris: sunny, 24 °C"}]
+            r2 = api.chat.completions.create(model="model", messages=turn, tools=TOOLS, max_tokens=8)
+            assert r2.usage.prompt_tokens_details.cached_tokens > 20      # the first turn's KV rows reused
+        text = llm.render_chat([{"role": "user", "content": "x"},
+                                {"role": "assistant", "content": "",
+                                 "tool_calls": [ToolCall("get_weather", {"city": "Zürich", "days": 2})]},
+                                {"role": "tool", "content": "ok"}], tools=[Tool("get_weather", "", WEATHER)])
+    finally:
+        llm.close()
+    assert '{"name": "get_weather", "description": "", "parameters": {' in text
+    assert "<arg_value>Zürich</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>" in text
+    assert text.endswith("<|observation|>ok<|assistant|>")
