@@ -4330,7 +4330,7 @@ cdef class Model:
                 pending = {p: self.h_all[p - base] for p in range(self.mtp_next, kv)}
         while len(out) < n_new:
             if con is not None:
-                logits = con.mask(logits)
+                logits = mask_logits(logits, con.allowed(), con.out)
             nxt = sampler.pick_tok(logits, carry_ban, len(ids), ids)
             carry_ban = -1
             if nxt in stops:
@@ -4389,7 +4389,7 @@ cdef class Model:
             k = 0
             done = False
             while k < g and len(out) < n_new:
-                ok = sampler.accepts(lo[k] if con is None else con.mask(lo[k]), drafts[k], len(ids), ids)
+                ok = sampler.accepts(lo[k] if con is None else mask_logits(lo[k], con.allowed(), con.out), drafts[k], len(ids), ids)
                 if not ok:
                     if not greedy:
                         carry_ban = drafts[k]

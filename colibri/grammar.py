@@ -9,8 +9,8 @@ grammar accepts.
 
 The engine (``Model.spec_decode``) asks a :class:`Constraint` three things:
 
-- ``mask(logits)``: the logits with every token the grammar forbids at -inf. Sampling and draft
-  verification both see the masked logits, so the output follows the constrained distribution
+- ``allowed()``: the bitmask of the tokens the grammar allows next; the engine sets the others'
+  logits to -inf (``_core.mask_logits``). Sampling and draft verification both see the masked logits, so the output follows the constrained distribution
   (softmax over the allowed tokens, with the usual temperature / top-k / top-p), exactly as plain
   constrained sampling would draw it, whatever the drafts;
 - ``valid_prefix(drafts)``: how many of the MTP head's drafts the grammar allows, so a verify
@@ -156,7 +156,7 @@ class Constraint:
 
     ``forced_tokens``: how many emitted tokens came from :meth:`forced` (the engine counts them)."""
 
-    def __init__(self, lltok, grammar: str, vocab: int):
+    def __init__(self, lltok, grammar: str, vocab: int, forcing: bool = True):
         import numpy as np
         llg = _llg()
         self.m = llg.LLMatcher(lltok, grammar, log_level=0)
@@ -164,24 +164,21 @@ class Constraint:
             raise GrammarError(f"the grammar does not compile for this tokenizer: {self.m.get_error()}")
         self.vocab = int(vocab)
         self.bits = np.zeros((self.vocab + 31) // 32, np.int32)    # [ceil(V/32)] allowed-token bitmask
-        self.out = np.zeros(self.vocab, np.float32)                 # [V] masked logits
+        self.out = np.zeros(self.vocab, np.float32)                 # [V] masked logits (the engine's)
         self.eos = set(lltok.eos_tokens)
         self.forced_tokens = 0
-        from .options import switch
-        self.forcing = switch("FORCED_DRAFTS") != "0"
+        self.forcing = forcing                                      # False: forced() offers nothing
 
     def _fill(self):
         self.m.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
         if self.m.is_error():
             raise GrammarError(f"grammar matcher: {self.m.get_error()}")
 
-    def mask(self, logits):
-        """[V] logits -> [V] a copy (this constraint's buffer, valid until the next call) with the
-        tokens the grammar forbids next at -inf."""
-        from ._core import mask_logits
+    def allowed(self):
+        """[ceil(V/32)] int32: bit i set when the grammar allows token i next (a buffer of this
+        constraint, valid until the next call)."""
         self._fill()
-        mask_logits(logits, self.bits, self.out)
-        return self.out
+        return self.bits
 
     def consume(self, token: int) -> None:
         if not self.m.consume_token(int(token)):

@@ -156,7 +156,8 @@ class Session:
             return None
         if self._lltok is None:
             self._lltok = constraint_tokenizer(self.tokenizer, self.cfg.vocab, sorted(self.eos))
-        return Constraint(self._lltok, g, self.cfg.vocab)
+        from .options import switch
+        return Constraint(self._lltok, g, self.cfg.vocab, forcing=switch("FORCED_DRAFTS") != "0")
 
     def check_ids(self, ids) -> List[int]:
         ids = [int(t) for t in ids]
