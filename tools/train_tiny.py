@@ -1183,7 +1183,6 @@ TUNE = dict(
 # before it converted, with TUNE updated by its entries.
 TUNE_ROUNDS = [
     {},
-    {"lr": 1.5e-4},
 ]
 
 
