@@ -67,7 +67,9 @@ class TextTail:
         if self.tok is None:
             self.text += f"{t} "
         else:
-            text = self.tok.decode(self.ids)
+            # special tokens literally, as glm.c decodes added tokens: GLM writes <think> and its
+            # tool-call tags as such tokens, and the reply parsers (colibri.tools) read them
+            text = self.tok.decode(self.ids, skip_special_tokens=False)
             if text.endswith("\ufffd"):
                 return ""                   # an incomplete UTF-8 sequence: wait for the next token
             self.text = text

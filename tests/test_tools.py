@@ -197,3 +197,29 @@ def test_tools_through_the_models_own_template(tmp_path):
     assert '{"name": "get_weather", "description": "", "parameters": {' in text
     assert "<arg_value>Zürich</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>" in text
     assert text.endswith("<|observation|>ok<|assistant|>")
+
+
+def test_special_tag_tokens_decode_and_constrain():
+    """A tokenizer holding GLM's tags as special tokens (GLM-5's kind): the reply text keeps them
+    (decoded literally, as glm.c does), and the forced-call grammar produces them as tokens."""
+    import os
+
+    from tokenizers import AddedToken, Tokenizer
+
+    from colibri.grammar import Constraint, constraint_tokenizer
+    from colibri.models import default_model_dir
+    from colibri.session import TextTail
+    tok = Tokenizer.from_file(os.path.join(default_model_dir(), "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<tool_call>", "</tool_call>")])
+    open_id, close_id = tok.token_to_id("<tool_call>"), tok.token_to_id("</tool_call>")
+    tail = TextTail(tok, [])
+    text = "".join(tail.push(t) for t in [open_id] + tok.encode("f\n", add_special_tokens=False).ids + [close_id])
+    text += tail.rest()
+    assert text == "<tool_call>f\n</tool_call>"
+    assert [c.name for c in parse_reply(text, [Tool("f")])[2]] == ["f"]
+    vocab = tok.get_vocab_size()
+    g = call_grammar([Tool("f")], tags={"<tool_call>": open_id, "</tool_call>": close_id})
+    from colibri.grammar import grammar_text
+    con = Constraint(constraint_tokenizer(tok, vocab, [0]), grammar_text(grammar=g), vocab)
+    forced = con.forced(16)
+    assert forced[0] == open_id and forced[-1] == close_id
