@@ -117,3 +117,43 @@ def test_wrong_key_and_bad_requests_in_anthropic_shape(srv, api):
     assert r.status == 400 and json.loads(r.read())["error"]["message"] == "max_tokens: Field required"
     with pytest.raises(anthropic.NotFoundError):
         api.messages.create(model="claude-opus-4", max_tokens=5, messages=ASK)
+
+
+def test_encoder_blocks_and_event_order():
+    """A reply with reasoning, text and a call: the response's blocks, and the stream's events in
+    Anthropic's order (each block opened, filled and closed before the next), whatever the pieces."""
+    from types import SimpleNamespace
+
+    from colibri.messages_api import MessagesEncoder
+    from colibri.tools import Tool
+    reply = ('<think>look it up</think>Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n'
+             '<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>')
+    req = {"tools": [Tool("get_weather", "", WEATHER)], "thinking": False, "user_stops": []}
+    c = SimpleNamespace(text=reply, finish_reason="stop", stop_string=None, prompt_tokens=10, prefill_tokens=4,
+                        completion_tokens=30)
+    r = MessagesEncoder("m", req, 0).response(c)
+    assert [b["type"] for b in r["content"]] == ["thinking", "text", "tool_use"]
+    assert r["content"][2]["input"] == {"city": "Oslo", "days": 2} and r["stop_reason"] == "tool_use"
+    assert r["usage"] == {"input_tokens": 4, "output_tokens": 30, "cache_read_input_tokens": 6,
+                          "cache_creation_input_tokens": 0}
+    for step in (1, 5, 1000):
+        enc = MessagesEncoder("m", req, 0)
+        raw = enc.begin() + [e for i in range(0, len(reply), step) for e in enc.text(reply[i:i + step])] + enc.end(c)
+        events = [json.loads(e.split(b"data: ", 1)[1]) for e in raw]
+        kinds = [e["type"] for e in events]
+        assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+        starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+        assert starts == ["thinking", "text", "tool_use"]
+        open_ = None
+        for e in events:                                  # blocks never overlap
+            if e["type"] == "content_block_start":
+                assert open_ is None
+                open_ = e["index"]
+            elif e["type"] == "content_block_delta":
+                assert e["index"] == open_
+            elif e["type"] == "content_block_stop":
+                assert e["index"] == open_
+                open_ = None
+        text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+        assert text == "Checking."
+        assert events[-2]["delta"]["stop_reason"] == "tool_use"
