@@ -1984,6 +1984,22 @@ cdef inline void add_ffn_outputs(const FfnJob *jobs, const int *order, int nj, c
         memcpy(out + <Py_ssize_t>row * D + i0, acc, n * sizeof(float))
 
 
+cdef void add_pair_rows(const float *Y, const int *urow, const float *uw, int npairs, int D,
+                        float *out, int nt) noexcept nogil:
+    """out[urow[p], :] += uw[p] · Y[p, :] for p = 0, 1, ... in that order: the float additions
+    add_ffn_outputs makes for the same pairs (routed experts computed elsewhere, _moe_remote)."""
+    cdef int b, p, k, i0, n
+    cdef float w
+    for b in prange(n_col_blocks(D), schedule='static', nogil=True, num_threads=nt):
+        i0 = b * COL_BLOCK
+        n = D - i0 if D - i0 < COL_BLOCK else COL_BLOCK
+        for p in range(npairs):
+            w = uw[p]
+            for k in range(n):
+                out[<Py_ssize_t>urow[p] * D + i0 + k] = out[<Py_ssize_t>urow[p] * D + i0 + k] + \
+                    w * Y[<Py_ssize_t>p * D + i0 + k]
+
+
 cdef class FfnScratch:
     """Buffers of a fused FFN group: up to max_jobs FFNs over max_pairs (FFN, row) pairs."""
     cdef FfnJob *jobs
@@ -2473,6 +2489,9 @@ cdef class Model:
     # the ones before it accepted), r = 0 .. S-1], seconds an accepted draft saves per MoE layer
     # besides reads); spec_decode sets it around the verify forward (_drop_plan).
     cdef public object drop_plan
+    # None, or what computes routed experts in other processes (colibri.cluster: set_remote)
+    cdef readonly object remote
+    cdef object _ybuf                             # [pairs, D] routed experts' outputs of a remote MoE call
     cdef public long long rows_dropped            # draft rows verify forwards dropped (counter)
     cdef double _row_s                            # a decode row's seconds besides disk waits (EMA)
     cdef public double t_disk, t_attn, t_moe
@@ -3468,6 +3487,9 @@ cdef class Model:
         cdef int u
         if self.routing is not None:
             self.routing.append((self.forwards, L.index, S, [uniq[u] for u in range(nu)]))
+        if self.remote is not None:
+            self._moe_remote(L, n, S, out, ws, nu)
+            return
         # Each unique expert once, in ascending id: gather its rows, FFN, scatter-add.
         if S > FUSED_MAX_ROWS:
             self._moe_streamed(L, n, S, out, ws, nu)
@@ -3502,6 +3524,113 @@ cdef class Model:
         self._expert_ffns(experts, 0, n, out, ws)
         self.t_moe += time.perf_counter() - t0
         self._shared_ffn(L, n, S, out, ws)
+
+    # -- routed experts computed elsewhere (colibri.cluster) --------------------------------------
+
+    def set_remote(self, remote):
+        """Compute routed experts through ``remote`` (None: here again). remote.submit(layer, n,
+        S, ids, ustart, urow) sends the MoE call's units (expert ids[u] on rows
+        urow[ustart[u]:ustart[u+1]] of n [S, D]) it serves and returns a handle: handle.local, the
+        units it did not take; handle.wait(Y) fills Y's rows of the others (unweighted outputs, one
+        row per (expert, row) pair in union order) and returns the units it could not deliver.
+        Those are computed here through the cache. The C paths (layers_step, the draft chain) read
+        resident experts only, so they step aside."""
+        self.remote = remote
+        self._c_layers = None
+
+    def _moe_remote(self, Layer L, float[:, ::1] n, int S, float[:, ::1] out, Work ws, int nu):
+        """out [S, D] (zeroed) += the routed experts of the batch union in ws, computed by
+        self.remote (and here for the units it does not or cannot deliver), then the shared expert.
+        Every expert's output row arrives whole and unweighted, and the sums run here in the
+        local order (ascending expert id per row, then the shared expert), so the result is the
+        local path's bit for bit."""
+        cdef int D = self.cfg.hidden, npairs = ws.ustart[nu], nt
+        ids = [int(ws.uniq[u]) for u in range(nu)]
+        Y = self._pair_rows(npairs, D)                                  # [npairs, D]
+        handle = self.remote.submit(L.index, np.asarray(n)[:S], S, ids, np.asarray(ws.ustart)[:nu + 1].copy(),
+                                    np.asarray(ws.urow)[:npairs].copy())
+        t0 = time.perf_counter()
+        if handle.local:
+            self._units_here(L, handle.local, n, Y, ws)
+        failed = handle.wait(Y)
+        if failed:
+            self._units_here(L, failed, n, Y, ws)
+        cdef float[:, ::1] yv = Y
+        cdef int[::1] urow = ws.urow
+        cdef float[::1] uw = ws.uw
+        nt = 1 if <double>npairs * D < FUSED_MIN_MACS else coli_max_threads()
+        if npairs > 0:
+            with nogil:
+                add_pair_rows(&yv[0, 0], &urow[0], &uw[0], npairs, D, &out[0, 0], nt)
+        self.t_moe += time.perf_counter() - t0
+        self._shared_ffn(L, n, S, out, ws)
+
+    def _pair_rows(self, int npairs, int D):
+        """The [npairs, D] buffer of a remote MoE call's expert outputs (grown as needed, kept)."""
+        if self._ybuf is None or self._ybuf.shape[0] < npairs or self._ybuf.shape[1] != D:
+            self._ybuf = np.zeros((max(npairs, 1), D), np.float32)
+        return self._ybuf[:max(npairs, 1)]
+
+    def _units_here(self, Layer L, units, float[:, ::1] n, float[:, ::1] Y, Work ws):
+        """Y[p] = FFN_u(n[urow[p]]) for the pairs p of batch-union units `units`, with experts
+        from this machine's cache (their reads counted as disk time)."""
+        cdef int[::1] uniq = ws.uniq, ustart = ws.ustart, urow = ws.urow
+        cdef float[:, ::1] xg = ws.xg, yg = ws.yg
+        cdef int u, j, j0, jn, C = ws.C, D = self.cfg.hidden
+        cdef Expert X
+        t0 = time.perf_counter()
+        experts = self.cache.fetch(L.index, [uniq[u] for u in units]).wait()
+        self.t_disk += time.perf_counter() - t0
+        for k in range(len(units)):
+            u = units[k]
+            X = experts[k]
+            for j0 in range(ustart[u], ustart[u + 1], C):      # its rows, C at a time
+                jn = min(C, ustart[u + 1] - j0)
+                with nogil:
+                    for j in range(jn):
+                        memcpy(&xg[j, 0], &n[urow[j0 + j], 0], D * sizeof(float))
+                self._ffn(X.gate, X.up, X.down, &xg[0, 0], jn, &Y[j0, 0], ws)
+
+    def expert_outputs(self, int li, float[:, ::1] x, ids, int[::1] starts, int[::1] rows, float[:, ::1] y):
+        """y[p] = FFN of expert ids[u] on row x[rows[p]] for the pairs p in starts[u]..starts[u+1]
+        (an expert worker's part of an MoE call: outputs unweighted, in pair order; see
+        _moe_remote). The experts come from the cache (an expert worker holds its share there)."""
+        c = self.cfg
+        cdef int nu = len(ids), npairs = rows.shape[0], R = x.shape[0], D = c.hidden, u, p, j0, jn, j
+        if not 0 <= li <= c.n_layers or x.shape[1] != D or y.shape[1] != D or y.shape[0] < npairs or \
+                starts.shape[0] != nu + 1 or starts[0] != 0 or starts[nu] != npairs:
+            raise EngineError(f"expert_outputs: layer {li}, {nu} experts, {npairs} pairs over rows "
+                              f"{tuple(x.shape)} into {tuple(y.shape)}: inconsistent shapes")
+        for u in range(nu):
+            if not 0 <= ids[u] < c.n_experts or starts[u + 1] <= starts[u]:
+                raise EngineError(f"expert_outputs: expert {ids[u]} (unit {u}) out of range or without rows")
+        for p in range(npairs):
+            if not 0 <= rows[p] < R:
+                raise EngineError(f"expert_outputs: pair {p} names row {rows[p]} of {R}")
+        if nu == 0:
+            return
+        experts = self.cache.fetch(li, [int(e) for e in ids]).wait()
+        ffns = [((<Expert>X).gate, (<Expert>X).up, (<Expert>X).down) for X in experts]
+        cdef FfnScratch fs
+        if self._fusable(R, ffns):
+            fs = self._ffn_scratch(npairs, nu, max((<QT>f[0]).c.O for f in ffns))
+            for p in range(npairs):
+                fs.p_urow[p] = rows[p]
+                fs.p_uw[p] = 1.0
+            jobs = [tuple(ffns[u]) + (starts[u], starts[u + 1] - starts[u]) for u in range(nu)]
+            self._ffn_fused(jobs, x, R, y, True, 0, False)
+            memcpy(&y[0, 0], fs.p_yd, <Py_ssize_t>npairs * D * sizeof(float))
+            return
+        cdef Work ws = self._work(min(max(R, 1), self.prefill_chunk), 1)
+        cdef float[:, ::1] xg = ws.xg
+        cdef Expert X
+        for u in range(nu):
+            X = experts[u]
+            for j0 in range(starts[u], starts[u + 1], ws.C):
+                jn = min(ws.C, starts[u + 1] - j0)
+                for j in range(jn):
+                    memcpy(&xg[j, 0], &x[rows[j0 + j], 0], D * sizeof(float))
+                self._ffn(X.gate, X.up, X.down, &xg[0, 0], jn, &y[j0, 0], ws)
 
     def _expert_ffns(self, experts, int u0, float[:, ::1] n, float[:, ::1] out, Work ws):
         """out[r] += w · FFN_u(n[r]) for the batch-union experts u0, u0+1, ... (experts[k] is unit
@@ -3688,7 +3817,8 @@ cdef class Model:
     def _layers_ok(self, int S, int pos_base, Work ws):
         """Can every layer of this forward take layers_step? (attend_step for each (_step_ok), the
         fused MLP); what does not depend on the forward is worked out once (_c_layers)."""
-        if not self.stepped or not self.fused or S > FUSED_MAX_ROWS or self.etab == NULL or not self.layers:
+        if not self.stepped or not self.fused or S > FUSED_MAX_ROWS or self.etab == NULL or not self.layers \
+                or self.remote is not None:
             return False
         if self._c_layers is None:
             self._c_layers = all(
@@ -3794,7 +3924,7 @@ cdef class Model:
         layer, the MLP through the cache, the residual. Returns the rows kept (S, or fewer)."""
         cdef float[:, ::1] n = ws.n, f = ws.out
         cdef int s, i, D = self.cfg.hidden
-        if L.sparse and self.drop_plan is not None and S > 1:
+        if L.sparse and self.drop_plan is not None and S > 1 and self.remote is None:
             s = self._rows_to_keep(L, S, ws, nu)
             if s < S:
                 self.rows_dropped += S - s
@@ -4104,7 +4234,7 @@ cdef class Model:
     def _chain_ok(self, int T):
         """Can the draft chain run in C (mtp_chain)? The MTP layer's attention takes attend_step
         and its dense MLP / shared expert is an integer matrix the fused MLP reads."""
-        if not self.stepped or not self.fused or self.etab == NULL:
+        if not self.stepped or not self.fused or self.etab == NULL or self.remote is not None:
             return False
         L = self.mtp
         cdef Work ws = self._work(1, T)
@@ -4438,7 +4568,7 @@ cdef class Model:
         saves per MoE layer besides reads (a decode forward's time without its disk waits, per row:
         _row_s)."""
         c = self.cfg
-        if g < 1 or self.cache.capacity >= c.n_experts:
+        if g < 1 or self.cache.capacity >= c.n_experts or self.remote is not None:
             return None
         accept = policy.verify_values(g)
         misses = self.cache.miss_count()
@@ -4609,17 +4739,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
         select_isa(isa)
     if threads:
         coli_set_threads(threads)
-    cdef Model m = Model()
-    m.cfg = cfg
-    m.path = path
-    m.st = _st.SafeTensorsDir(path)
-    fp8 = next((n for n in m.st.names() if m.st.info(n).dtype.startswith("F8")), None)
-    if fp8 is not None:
-        # FP8 weights need their *_scale_inv block scales, which only the converter applies
-        info = m.st.info(fp8)
-        raise _st.ContainerError(f"{info.path}: tensor {fp8} is {info.dtype}: FP8 checkpoints run after "
-                                 "conversion ('python -m colibri convert SRC DST'), which applies their "
-                                 "block scales")
+    cdef Model m = _new_model(path, cfg)
     m.idot = idot
     m.act_block = act_block
     m.absorb = absorb
@@ -4649,11 +4769,7 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     if m.has_mtp:
         _load_mtp(m)
     m._interleave_resident()
-    m.direct = direct
-    m._direct_fds = {}
-    m._expert_layouts = {}
-    m._row_files = {}
-    m._io = IoClock()
+    _expert_io(m, direct)
     mappable = not direct and _mappable_experts(m)
     m.mapped = mappable and _maps_experts(m)
     # opt-in (COLIBRI_MAP_STREAM=1): the prefill gains, but the experts it leaves mapped in the LRU
@@ -4679,6 +4795,74 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     if m.mapped:
         # evicted experts stay mapped while a call may still use them (the RAM plan's call allowance)
         m.cache.set_keep_bytes(EXTRA_CALL_EXPERTS * max(_expert_disk_bytes(m.st, li) for li in range(cfg.n_layers + 1)))
+    m.reset_stats()
+    return m
+
+
+def _new_model(path, cfg):
+    """A Model over the container at path (config checked), before any weight is read."""
+    cdef Model m = Model()
+    m.cfg = cfg
+    m.path = path
+    m.st = _st.SafeTensorsDir(path)
+    fp8 = next((n for n in m.st.names() if m.st.info(n).dtype.startswith("F8")), None)
+    if fp8 is not None:
+        # FP8 weights need their *_scale_inv block scales, which only the converter applies
+        info = m.st.info(fp8)
+        raise _st.ContainerError(f"{info.path}: tensor {fp8} is {info.dtype}: FP8 checkpoints run after "
+                                 "conversion ('python -m colibri convert SRC DST'), which applies their "
+                                 "block scales")
+    return m
+
+
+def _expert_io(Model m, bint direct):
+    m.direct = direct
+    m._direct_fds = {}
+    m._expert_layouts = {}
+    m._row_files = {}
+    m._io = IoClock()
+
+
+def experts_init(path, *, int expert_bits=32, int idot=IDOT_Q8X2, int act_block=0, isa=None, threads=0,
+                 int io_threads=4, bint direct=False):
+    """A Model that holds routed experts only (an expert worker of colibri.cluster): the config and
+    the container's expert tensors are checked as model_init checks them, no dense weight is read;
+    expert_outputs computes with the experts its cache holds (every expert of a layer fits; load
+    them with cache.fetch), with the kernels and settings of the coordinator's model."""
+    path = os.fspath(path)
+    cfg = load_config(path)
+    check_block(act_block)
+    check_idot(idot)
+    if io_threads < 1:
+        raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+    if isa is None:
+        isa = switch("ISA")
+    if isa:
+        select_isa(isa)
+    if threads:
+        coli_set_threads(threads)
+    cdef Model m = _new_model(path, cfg)
+    m.idot, m.act_block, m.absorb = idot, act_block, 0
+    m.fused = switch("FUSED") != "0"
+    m.prefill_chunk = PREFILL_CHUNK
+    m.stream_group = STREAM_GROUP
+    m.expert_bits = expert_bits
+    m.dense_bits = 32
+    m.cache_experts = cfg.n_experts
+    m.layers = []
+    m._arena = _Arena()
+    for i in range(cfg.n_layers):
+        if cfg.sparse[i]:
+            m._check_expert_tensors(i)
+    if _has_mtp_tensors(m.st, cfg.n_layers) and f"model.layers.{cfg.n_layers}.mlp.gate.weight" in m.st:
+        m._check_expert_tensors(cfg.n_layers)
+    _expert_io(m, direct)
+    m.mapped = m.map_stream = False
+    m.cache = ExpertCache(m.expert_load, cfg.n_layers + 1, cfg.n_experts, io_threads=io_threads,
+                          prefetch=False, n_experts=cfg.n_experts)
+    m.pilot = False
+    m._slabs = SlabPool(_Arena._fresh)
+    m.cache.on_evict = m._release_expert
     m.reset_stats()
     return m
 
