@@ -45,6 +45,10 @@ class LLM:
         self.chat_template = load_chat_template(self.path)
         self.model = model_init(self.path, **self.options.engine_kwargs())
         self.cfg = self.model.cfg
+        #: the expert workers holding the routed experts (colibri.cluster), or None
+        self.cluster = None
+        if self.options.cluster:
+            self.cluster = self._start_cluster()
         #: the generation driver: tiers, KV cache, token history (colibri.session)
         self.session = Session(self.model, self.options, tokenizer=self.tokenizer)
 
@@ -230,7 +234,24 @@ class LLM:
         added = self.tokenizer.get_added_tokens_decoder()
         return {t.content: i for i, t in added.items() if t.special and t.content in TAGS}
 
+    def _start_cluster(self):
+        from .cluster import attach
+        try:
+            return attach(self.model, self.path, self.options)
+        except BaseException:
+            self.model.close()
+            raise
+
+    def cluster_stats(self) -> Optional[dict]:
+        """Per worker: calls, pairs, bytes, round-trip / remote compute / network seconds, losses,
+        the units computed here instead; per layer: the mean round trip (None: no cluster)."""
+        return self.cluster.stats() if self.cluster is not None else None
+
     def close(self):
+        if self.cluster is not None:
+            from .cluster import detach
+            detach(self.model, self.cluster)
+            self.cluster = None
         self.model.close()
 
 

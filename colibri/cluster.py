@@ -46,14 +46,12 @@ class ClusterError(RuntimeError):
 
 def parse_cluster(spec: str) -> Tuple[str, object]:
     """'local:N' -> ('local', N); 'auto' or HOST:PORT or ray://... -> ('address', spec)."""
-    spec = (spec or "").strip()
+    problem = wire.check_cluster_spec(spec)
+    if problem:
+        raise ValueError(f"--cluster {problem}")
+    spec = spec.strip()
     if spec.startswith("local:"):
-        n = spec[len("local:"):]
-        if not n.isdigit() or not 1 <= int(n) <= 64:
-            raise ValueError(f"--cluster {spec}: local:N needs N expert workers, 1 to 64")
-        return "local", int(n)
-    if not spec:
-        raise ValueError("--cluster needs local:N or the address of a Ray cluster (HOST:PORT, auto)")
+        return "local", int(spec[len("local:"):])
     return "address", spec
 
 
@@ -374,6 +372,38 @@ class Cluster:
         if self._started and ray.is_initialized():
             ray.shutdown()
             self._started = False
+
+
+def attach(model, path: str, options) -> Cluster:
+    """Start (local:N) or join the cluster of options.cluster, its workers loaded with model's
+    routed experts at the same settings, and route model's MoE calls through it."""
+    from ._core import isa_active
+    cluster = Cluster(options.cluster, path, model.cfg, dict(options.worker_kwargs(), isa=isa_active()),
+                      deadline_s=options.cluster_timeout)
+    model.set_remote(cluster)
+    return cluster
+
+
+def detach(model, cluster: Optional[Cluster]) -> None:
+    if cluster is not None:
+        model.set_remote(None)
+        cluster.close()
+
+
+def summary_line(st: dict) -> str:
+    """One line of a run's cluster stats (Cluster.stats)."""
+    ws = st["workers"]
+    rtt = list(st["layer_rtt_ms"].values())
+    parts = [f"cluster: {sum(w['live'] for w in ws)}/{len(ws)} workers live",
+             f"MoE round trip {np.mean(rtt):.2f} ms/layer" if rtt else "no MoE call",
+             f"sent {sum(w['bytes_sent'] for w in ws) / 2**20:.1f} MiB, received "
+             f"{sum(w['bytes_received'] for w in ws) / 2**20:.1f} MiB",
+             "time: network {:.3f}s, remote compute {:.3f}s".format(sum(w["network_s"] for w in ws),
+                                                                    sum(w["remote_compute_s"] for w in ws))]
+    lost = [f"{w['name']} ({w['losses']}x, {w['fallback_units']} units here)" for w in ws if w["losses"]]
+    if lost:
+        parts.append("lost: " + ", ".join(lost))
+    return " | ".join(parts)
 
 
 def _first_line(e: BaseException) -> str:

@@ -22,6 +22,18 @@ HEADER = 8
 CALL, STOP = 1, 2
 
 
+def check_cluster_spec(spec) -> "str | None":
+    """None when spec names a cluster (local:N with 1 <= N <= 64, or an address), else the problem."""
+    if not isinstance(spec, str) or not spec.strip():
+        return f"must be local:N or the address of a Ray cluster (HOST:PORT, auto), got {spec!r}"
+    spec = spec.strip()
+    if spec.startswith("local:"):
+        n = spec[len("local:"):]
+        if not n.isdigit() or not 1 <= int(n) <= 64:
+            return f"local:N needs N expert workers, 1 to 64, got {spec!r}"
+    return None
+
+
 class WireError(ValueError):
     """A message that does not hold together (names the field)."""
 

@@ -30,6 +30,7 @@ GROUPS = {
     "engine": "engine",
     "tiers": "expert tiers and I/O",
     "generation": "generation",
+    "cluster": "cluster (routed experts in the RAM of expert workers)",
 }
 
 
@@ -111,6 +112,18 @@ def _draft(v):
         parse_draft(v)
     except ValueError:
         return f"must be 'auto' or a depth 0..16, got {v!r}"
+
+
+def _cluster(v):
+    if v is None:
+        return None
+    from .cluster_wire import check_cluster_spec
+    return check_cluster_spec(v)
+
+
+def _seconds(v):
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not (math.isfinite(v) and v > 0):
+        return f"must be a number of seconds > 0, got {v!r}"
 
 
 def _json_schema(v):
@@ -203,6 +216,15 @@ class Options:
     grammar: Optional[str] = _opt(None, "generation", "constrain the output to this grammar (Lark, llguidance's "
                                   "syntax, or llama.cpp's GBNF; the text or a file)", metavar="GRAMMAR",
                                   check=_grammar)
+    # cluster (colibri.cluster)
+    cluster: Optional[str] = _opt(None, "cluster", "hold the routed experts in the RAM of expert workers: "
+                                  "local:N (N workers on this machine, to try it) or a Ray cluster's address "
+                                  "(HOST:PORT, or auto); this machine keeps the rest of the model and computes "
+                                  "a lost worker's share from its own copy", metavar="ADDRESS", check=_cluster)
+    cluster_timeout: float = _opt(30.0, "cluster", "seconds an expert worker may take to answer one MoE call "
+                                  "before it counts as lost (default %(default)s)", metavar="S", check=_seconds)
+    cluster_threads: int = _opt(0, "cluster", "OpenMP threads of each expert worker (default 0: all its cores)",
+                                metavar="N", check=_int_at_least(0))
 
     def __post_init__(self):
         self.validate()
@@ -239,6 +261,12 @@ class Options:
                     absorb={"auto": -1, "never": 0, "always": 1}[self.absorb], dsa_force=self.dsa_force,
                     threads=self.threads, io_threads=self.io_threads, prefetch=self.prefetch, direct=self.direct)
 
+    def worker_kwargs(self) -> dict:
+        """The keyword arguments of ``_core.experts_init`` on an expert worker (colibri.cluster):
+        the coordinator's expert settings, so both compute the same outputs."""
+        return dict(expert_bits=self.expert_bits, idot=self.idot, act_block=self.act_block,
+                    threads=self.cluster_threads, io_threads=self.io_threads, direct=self.direct)
+
     def sampler_kwargs(self) -> dict:
         """The keyword arguments of ``_core.Sampler`` (besides the vocabulary and the seed)."""
         return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -247,6 +275,11 @@ class Options:
 
     def tier_kwargs(self) -> dict:
         """The keyword arguments of ``tiers.configure`` (besides the model and the context)."""
+        if self.cluster:
+            # the workers hold the routed experts: this machine's cache only serves a lost
+            # worker's share, read on demand (no pins, no warming, no lookahead)
+            return dict(requested=self.cache_experts, ram_gb=self.ram_gb, pin=None, pin_gb=None, autopin=False,
+                        prefetch=False, warm=False, mtp_tier=False, batch=self.batch)
         return dict(requested=self.cache_experts, ram_gb=self.ram_gb, pin=self.pin, pin_gb=self.pin_gb,
                     autopin=self.autopin, prefetch=self.prefetch_enabled,
                     warm=self.warm_experts, mtp_tier=self.draft != 0, batch=self.batch)
@@ -349,7 +382,7 @@ def flag_of(f) -> str:
     return f.metadata.get("negate") or f.metadata.get("flag") or "--" + f.name.replace("_", "-")
 
 
-def add_arguments(p: argparse.ArgumentParser, groups=("engine", "tiers", "generation"), skip=(), only=None,
+def add_arguments(p: argparse.ArgumentParser, groups=("engine", "tiers", "generation", "cluster"), skip=(), only=None,
                   **defaults):
     """Add the flags of the Options fields of ``groups`` (not those in ``skip``; only those in
     ``only`` when given) to ``p``, each in its argument group; ``defaults`` are the subcommand's own

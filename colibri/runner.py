@@ -58,8 +58,12 @@ def run(args) -> int:
         raise ValueError(f"{model_dir} has no tokenizer.json: give the prompt as --prompt-ids")
     t_load = time.perf_counter()
     model = model_init(model_dir, **opts.engine_kwargs())
-    t_load = time.perf_counter() - t_load
+    cluster = None
     try:
+        if opts.cluster:
+            from .cluster import attach
+            cluster = attach(model, model_dir, opts)
+        t_load = time.perf_counter() - t_load
         cfg = model.cfg
         ids = parse_ids(args.prompt_ids, cfg.vocab) if args.prompt_ids is not None else tok.encode(args.prompt).ids
         if not ids:
@@ -68,12 +72,15 @@ def run(args) -> int:
         if cfg.max_positions and need > cfg.max_positions:
             from .session import check_room
             check_room(len(ids), opts.max_tokens, opts.draft, cfg.max_positions, tokens_name="--max-tokens")
-        return _generate(args, opts, model_dir, model, tok, ids, need, t_load)
+        return _generate(args, opts, model_dir, model, tok, ids, need, t_load, cluster)
     finally:
+        if cluster is not None:
+            from .cluster import detach
+            detach(model, cluster)
         model.close()
 
 
-def _generate(args, opts, model_dir, model, tok, ids, need, t_load) -> int:
+def _generate(args, opts, model_dir, model, tok, ids, need, t_load, cluster=None) -> int:
     from . import omp
     cfg = model.cfg
     session = Session(model, opts, context=need, tokenizer=tok)
@@ -111,6 +118,8 @@ def _generate(args, opts, model_dir, model, tok, ids, need, t_load) -> int:
         "omp_wait_policy": omp.choose(),
     })
     stats.update(tier_stats(model, tiers, t_prefill + t_decode))
+    if cluster is not None:
+        stats["cluster"] = cluster.stats()
     if not args.quiet:
         n_dec = len(g.token_ids)
         print(f"---\nprefill {len(ids)} tok in {t_prefill:.3f}s ({len(ids) / max(t_prefill, 1e-9):.1f} tok/s) | "
@@ -119,6 +128,9 @@ def _generate(args, opts, model_dir, model, tok, ids, need, t_load) -> int:
               f"peak RSS {stats['peak_rss_bytes'] / 2**30:.2f} GiB", file=sys.stderr)
         print(tier_line(stats), file=sys.stderr)
         print(spec_line(stats), file=sys.stderr)
+        if cluster is not None:
+            from .cluster import summary_line
+            print(summary_line(stats["cluster"]), file=sys.stderr)
         print(f"stopped: {STOPPED[g.stopped_by]} | seed {g.seed}", file=sys.stderr)
     if args.stats_json:
         with open(args.stats_json, "w") as f:
