@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "FIFO queue answers 429 when full.")
     from . import server
     server.add_arguments(sv)
+
+    cl = sub.add_parser("cluster", help="start the Ray processes of a cluster of expert workers (--cluster)",
+                        description="Machines whose RAM holds the routed experts: the head runs on the "
+                                    "coordinator (the machine that runs serve/run/chat --cluster), `worker` "
+                                    "on each expert machine.")
+    from . import cluster_cmd
+    cluster_cmd.add_arguments(cl)
     return ap
 
 
@@ -121,6 +128,9 @@ def main(argv=None) -> int:
             return run(args)
         if args.command == "serve":
             from .server import run
+            return run(args)
+        if args.command == "cluster":
+            from .cluster_cmd import run
             return run(args)
     except BrokenPipeError:
         # the reader went away (`| head`): not an error; stdout is pointed at /dev/null so that
