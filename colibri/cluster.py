@@ -102,7 +102,7 @@ class Cluster:
     """Expert workers on Ray, with gloo links; see the module docstring."""
 
     def __init__(self, spec: str, path: str, cfg, settings: dict, *, deadline_s: float = 30.0,
-                 worker_threads: int = 0, quiet: bool = False):
+                 worker_threads: int = 0, quiet: bool = False, mtp_moe: bool = True):
         kind, arg = parse_cluster(spec)
         if kind == "local":
             # Ray's loopback mode: node IP 127.0.0.1, every socket bound to it (read at import,
@@ -134,7 +134,8 @@ class Cluster:
             self.host = ray.util.get_node_ip_address()
         self.workers = self._find_workers(ray)
         names = {w.name: w.weight for w in self.workers}
-        sparse = [l for l in range(cfg.n_layers) if cfg.sparse[l]] + [cfg.n_layers]
+        # rows with routed experts: the sparse layers, and the MTP layer's when the model has them
+        sparse = [l for l in range(cfg.n_layers) if cfg.sparse[l]] + ([cfg.n_layers] if mtp_moe else [])
         self.owner = wire.placement(cfg.n_layers + 1, cfg.n_experts, sparse, names)
         self.settings = dict(settings)
         if worker_threads:
@@ -184,7 +185,7 @@ class Cluster:
             except Exception as e:
                 self.close()
                 raise ClusterError(f"expert worker {w.name} on {w.address} did not start: "
-                                   f"{_first_line(e)}") from None
+                                   f"{_root_cause(e)}") from None
             w.pid = info["pid"]
             self._connect(ray, w)
 
@@ -379,7 +380,7 @@ def attach(model, path: str, options) -> Cluster:
     routed experts at the same settings, and route model's MoE calls through it."""
     from ._core import isa_active
     cluster = Cluster(options.cluster, path, model.cfg, dict(options.worker_kwargs(), isa=isa_active()),
-                      deadline_s=options.cluster_timeout)
+                      deadline_s=options.cluster_timeout, mtp_moe=model.has_mtp and model.mtp.sparse)
     model.set_remote(cluster)
     return cluster
 
@@ -404,6 +405,12 @@ def summary_line(st: dict) -> str:
     if lost:
         parts.append("lost: " + ", ".join(lost))
     return " | ".join(parts)
+
+
+def _root_cause(e: BaseException) -> str:
+    """The last line of a remote error's text (Ray puts the worker's traceback in it)."""
+    lines = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
+    return lines[-1][:500] if lines else type(e).__name__
 
 
 def _first_line(e: BaseException) -> str:

@@ -113,3 +113,12 @@ def owned_by(owner: np.ndarray, w: int) -> Dict[int, List[int]]:
     """{layer: [expert ids]} that worker index w holds."""
     return {int(l): [int(e) for e in np.flatnonzero(owner[l] == w)] for l in range(owner.shape[0])
             if np.any(owner[l] == w)}
+
+
+def token_bytes(D: int, topk: int, n_workers: int, n_moe_layers: int) -> float:
+    """Bytes on the wire per decoded token (one row, no drafts), routing spread evenly: per MoE
+    layer each involved worker (n·(1 − (1 − 1/n)^topk) of them on average) gets a header, the
+    call's ints and the row (4·D), and the top-k outputs come back (topk·4·D, plus a float each)."""
+    involved = n_workers * (1 - (1 - 1 / n_workers) ** topk)
+    per_layer = involved * (8 * HEADER + 4 * (2 * topk + 1) + 4 * D + 4) + topk * 4 * D
+    return per_layer * n_moe_layers

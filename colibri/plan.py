@@ -580,6 +580,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"context positions to plan the KV cache for (default {DEFAULT_CTX}, "
                              "clamped to max_position_embeddings)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--cluster", default=None, metavar="N|GB,GB,...",
+                        help="plan expert workers (--cluster): N machines of equal RAM, or each machine's RAM "
+                             "in GB (the placement's weights): the experts and RAM each needs, the bytes "
+                             "per token on the network")
     # the settings the plan depends on, as run takes them
     add_options(parser, only=PLAN_OPTIONS)
 
@@ -600,6 +604,8 @@ def run(args: argparse.Namespace) -> int:
         rep = build_report(model, dense_bits=o.dense_bits, expert_bits=o.expert_bits, ctx=getattr(args, "ctx", None),
                            ram_gb=o.ram_gb, cache_experts=o.cache_experts,
                            prefetch=o.prefetch_enabled, batch=o.batch)
+        if getattr(args, "cluster", None):
+            rep["cluster"] = cluster_plan(rep, _parse_workers(args.cluster))
     except (ConfigError, ContainerError, PlanError, ValueError, OSError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"colibri plan: error: {msg}", file=sys.stderr)
@@ -608,7 +614,54 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rep, indent=1))
     else:
         print(format_report(rep))
+        if "cluster" in rep:
+            print(format_cluster(rep["cluster"]))
     return 1 if rep["ram"]["error"] else 0
+
+
+def _parse_workers(spec: str) -> dict:
+    """'4' -> 4 workers of weight 1; '64,128' -> w0: 64, w1: 128 (GB of RAM)."""
+    parts = [p.strip() for p in str(spec).split(",")]
+    try:
+        if len(parts) == 1 and parts[0].isdigit():
+            n = int(parts[0])
+            if not 1 <= n <= 64:
+                raise ValueError
+            return {f"w{i}": 1.0 for i in range(n)}
+        gb = [float(p) for p in parts]
+        if not all(g > 0 and g == g and g != float("inf") for g in gb):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--cluster {spec!r}: give N (1..64 machines) or each machine's RAM in GB (64,128,...)") from None
+    return {f"w{i}": g for i, g in enumerate(gb)}
+
+
+def cluster_plan(rep: dict, workers: dict) -> dict:
+    """What each expert worker holds under colibri.cluster's placement (the same function), and
+    the network bytes of a decoded token."""
+    from .cluster_wire import placement, token_bytes
+    c = rep["config"]
+    rows = list(rep["experts"]["rows"]) + ([rep["experts"]["mtp"]] if rep["experts"]["mtp"] else [])
+    owner = placement(c["n_layers"] + 1, c["n_experts"], [r["layer"] for r in rows], workers)
+    names = sorted(workers)
+    out = []
+    for i, name in enumerate(names):
+        n = sum(int((owner[r["layer"]] == i).sum()) for r in rows)
+        b = sum(int((owner[r["layer"]] == i).sum()) * r["expert_bytes"] for r in rows)
+        row = {"name": name, "weight": workers[name], "experts": n, "expert_bytes": b}
+        out.append(row)
+    return {"workers": out,
+            "network_bytes_per_token": token_bytes(c["hidden"], c["topk"], len(names), c["n_moe_layers"]),
+            "coordinator_bytes": rep["resident"]["total_bytes"] + rep["kv_bytes"]}
+
+
+def format_cluster(cl: dict) -> str:
+    lines = ["cluster: expert workers (RAM for their experts; add ~1 GB each for the process)"]
+    for w in cl["workers"]:
+        lines.append(f"  {w['name']}: {w['experts']} experts, {_fmt(w['expert_bytes'])}")
+    lines.append(f"  coordinator: {_fmt(cl['coordinator_bytes'])} resident + KV; network "
+                 f"{_fmt(cl['network_bytes_per_token'])} per decoded token")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

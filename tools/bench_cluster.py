@@ -101,18 +101,16 @@ def one_run(model, ids, n_tok, cluster, addr, tmp, threads):
 
 
 def projection(lat_s, D=6144, topk=8, n_moe=75, machines=(4, 8), gbe=(1, 10)):
-    """Network seconds per decoded token for GLM-5.2 (hidden 6144, top-8 of 256, 75 MoE layers +
-    the MTP layer's drafts left out): per MoE layer each involved worker gets its rows (D·4 bytes
-    each) and returns top-k unweighted rows (topk·D·4), one round trip of latency lat_s, links in
-    parallel, the coordinator's link carrying all of it."""
+    """Network seconds per decoded token for GLM-5.2 (hidden 6144, top-8 of 256, 75 MoE layers,
+    no drafts): colibri.cluster_wire.token_bytes (the formula plan --cluster uses) through the
+    coordinator's link, plus one measured round trip (lat_s) per MoE layer."""
+    from colibri.cluster_wire import token_bytes
     out = {}
     for m in machines:
-        involved = m * (1 - (1 - 1 / m) ** topk)
-        per_layer = involved * (64 + 4 * (2 * topk + 1) + D * 4) + topk * D * 4
+        b = token_bytes(D, topk, m, n_moe)
         for g in gbe:
-            bw = g * 1e9 / 8
-            out[f"{m} machines, {g} GbE"] = {"bytes_per_token": per_layer * n_moe,
-                                             "network_s_per_token": n_moe * (lat_s + per_layer / bw)}
+            out[f"{m} machines, {g} GbE"] = {"bytes_per_token": b,
+                                             "network_s_per_token": n_moe * lat_s + b / (g * 1e9 / 8)}
     return out
 
 
