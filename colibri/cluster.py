@@ -22,6 +22,7 @@ world again), its timeout covers only the rendezvous, and it must be called from
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -117,21 +118,12 @@ class Cluster:
         if not self.deadline_s > 0:
             raise ValueError(f"--cluster-timeout must be > 0 seconds, got {deadline_s}")
         self._started = False
-        if kind == "local":
-            self.host = "127.0.0.1"
-            if not ray.is_initialized():
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 1), resources={RESOURCE: arg},
-                         include_dashboard=False, namespace=NAMESPACE,
-                         object_store_memory=80 * 2 ** 20, log_to_driver=False, configure_logging=False,
-                         _system_config={"metrics_report_interval_ms": 10 ** 8})
-                self._started = True
-        else:
-            if not ray.is_initialized():
-                try:
-                    ray.init(address=arg, namespace=NAMESPACE, log_to_driver=False)
-                except Exception as e:      # ConnectionError and Ray's own
-                    raise ClusterError(f"--cluster {arg}: cannot join the Ray cluster: {e}") from None
-            self.host = ray.util.get_node_ip_address()
+        term = signal.getsignal(signal.SIGTERM)     # ray.init installs its own (sys.exit with a traceback)
+        try:
+            self._init_ray(ray, kind, arg)
+        finally:
+            if threading.current_thread() is threading.main_thread() and term is not None:
+                signal.signal(signal.SIGTERM, term)
         self.workers = self._find_workers(ray)
         names = {w.name: w.weight for w in self.workers}
         # rows with routed experts: the sparse layers, and the MTP layer's when the model has them
@@ -151,6 +143,23 @@ class Cluster:
         self._reviver.start()
 
     # -- start-up ---------------------------------------------------------------------------------
+
+    def _init_ray(self, ray, kind, arg) -> None:
+        if kind == "local":
+            self.host = "127.0.0.1"
+            if not ray.is_initialized():
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 1), resources={RESOURCE: arg},
+                         include_dashboard=False, namespace=NAMESPACE,
+                         object_store_memory=80 * 2 ** 20, log_to_driver=False, configure_logging=False,
+                         _system_config={"metrics_report_interval_ms": 10 ** 8})
+                self._started = True
+        else:
+            if not ray.is_initialized():
+                try:
+                    ray.init(address=arg, namespace=NAMESPACE, log_to_driver=False)
+                except Exception as e:      # ConnectionError and Ray's own
+                    raise ClusterError(f"--cluster {arg}: cannot join the Ray cluster: {e}") from None
+            self.host = ray.util.get_node_ip_address()
 
     def _find_workers(self, ray) -> List[_Worker]:
         out = []
