@@ -349,6 +349,16 @@ class Cluster:
         return False
 
     def stats(self) -> dict:
+        """The coordinator's counters per worker (with each live worker's own: its cache's hit
+        rate, misses and resident experts) and the mean round trip per layer."""
+        import ray
+        own = {}
+        for w in self.workers:
+            if w.lost is None:
+                try:
+                    own[w.name] = ray.get(w.actor.stats.remote(), timeout=5.0)
+                except Exception:
+                    pass
         calls = np.maximum(self.layer_calls, 1)
         return {
             "workers": [{"name": w.name, "pid": w.pid, "address": w.address, "live": w.lost is None,
@@ -357,6 +367,9 @@ class Cluster:
                          "rtt_s": w.rtt_s, "remote_compute_s": w.compute_s,
                          "network_s": max(w.rtt_s - w.compute_s, 0.0),
                          "fallback_units": w.fallback_units,
+                         "hit_rate": own.get(w.name, {}).get("hit_rate"),
+                         "disk_misses": own.get(w.name, {}).get("misses"),
+                         "resident_experts": own.get(w.name, {}).get("resident"),
                          "experts": int(np.sum(self.owner == i))} for i, w in enumerate(self.workers)],
             "layer_rtt_ms": {int(l): 1e3 * float(self.layer_rtt[l] / calls[l])
                              for l in np.flatnonzero(self.layer_calls)},
@@ -410,6 +423,9 @@ def summary_line(st: dict) -> str:
              f"{sum(w['bytes_received'] for w in ws) / 2**20:.1f} MiB",
              "time: network {:.3f}s, remote compute {:.3f}s".format(sum(w["network_s"] for w in ws),
                                                                     sum(w["remote_compute_s"] for w in ws))]
+    hits = [w["hit_rate"] for w in ws if w.get("hit_rate") is not None]
+    if hits:
+        parts.append("worker experts hit " + "/".join(f"{100 * h:.0f}%" for h in hits))
     lost = [f"{w['name']} ({w['losses']}x, {w['fallback_units']} units here)" for w in ws if w["losses"]]
     if lost:
         parts.append("lost: " + ", ".join(lost))

@@ -44,12 +44,18 @@ class ExpertWorker:
         from ._core import experts_init
         self.name = name
         t0 = time.perf_counter()
+        settings = dict(settings)
+        ram_gb = settings.pop("ram_gb", None)
         self.model = experts_init(path, **settings)
-        self.n_experts = 0
+        cap = self._capacity(owned, ram_gb)
+        self.model.cache.set_capacity(cap)
+        self.n_experts = sum(len(e) for e in owned.values())
+        self.resident = 0
         for layer, eids in sorted(owned.items()):
-            if eids:
-                self.model.cache.fetch(int(layer), [int(e) for e in eids]).wait()
-                self.n_experts += len(eids)
+            if eids:            # what the budget holds stays in RAM; the rest comes from disk on use
+                self.model.cache.fetch(int(layer), [int(e) for e in eids[:cap]]).wait()
+                self.resident += min(len(eids), cap)
+        self.model.cache.reset_stats()      # the hit rate counts the calls' lookups, not this load
         self.load_s = time.perf_counter() - t0
         self.D = self.model.cfg.hidden
         self.lock = threading.Lock()        # one call computes at a time (the model's scratch)
@@ -58,13 +64,26 @@ class ExpertWorker:
         self.compute_s = 0.0
         self.error = ""                     # the last call it could not compute
 
+    def _capacity(self, owned: Dict[int, List[int]], ram_gb: Optional[float]) -> int:
+        """Experts per layer its cache keeps: every one (no budget), else what ram_gb holds of its
+        share spread evenly over its layers (at least top-k: one call's experts)."""
+        c = self.model.cfg
+        if not ram_gb:
+            return c.n_experts
+        rows = max(sum(1 for e in owned.values() if e), 1)
+        per_expert = 3 * c.moe_inter * c.hidden * (4 if self.model.expert_bits >= 16 else
+                                                    max(self.model.expert_bits, 4) / 8)
+        return int(max(c.topk, min(c.n_experts, ram_gb * 1e9 / per_expert // rows)))
+
     def ready(self) -> dict:
-        return {"name": self.name, "pid": os.getpid(), "experts": self.n_experts, "load_s": self.load_s,
-                "bytes": int(self.model.cache.stats.get("bytes_resident", 0)) if hasattr(self.model.cache, "stats") else 0}
+        return {"name": self.name, "pid": os.getpid(), "experts": self.n_experts, "resident": self.resident,
+                "load_s": self.load_s}
 
     def stats(self) -> dict:
+        cs = self.model.cache.stats
         return {"name": self.name, "pid": os.getpid(), "calls": self.calls, "pairs": self.pairs,
-                "compute_s": self.compute_s, "experts": self.n_experts, "error": self.error}
+                "compute_s": self.compute_s, "experts": self.n_experts, "resident": self.resident,
+                "hit_rate": cs["hit_rate"], "misses": cs["misses"], "error": self.error}
 
     def connect(self, store_host: str, port: int, gen: int, device_host: str, timeout_s: float) -> bool:
         """Join the coordinator's new pair group (generation gen) and serve it on a thread of its

@@ -223,6 +223,9 @@ class Options:
                                   "a lost worker's share from its own copy", metavar="ADDRESS", check=_cluster)
     cluster_timeout: float = _opt(30.0, "cluster", "seconds an expert worker may take to answer one MoE call "
                                   "before it counts as lost (default %(default)s)", metavar="S", check=_seconds)
+    cluster_ram: Optional[float] = _opt(None, "cluster", "GB of RAM each expert worker gives its experts (default: "
+                                        "all of its share; less: the rest streams from its own disk through "
+                                        "its own cache)", metavar="GB", check=_positive_gb)
     cluster_threads: int = _opt(0, "cluster", "OpenMP threads of each expert worker (default 0: all its cores)",
                                 metavar="N", check=_int_at_least(0))
 
@@ -265,7 +268,8 @@ class Options:
         """The keyword arguments of ``_core.experts_init`` on an expert worker (colibri.cluster):
         the coordinator's expert settings, so both compute the same outputs."""
         return dict(expert_bits=self.expert_bits, idot=self.idot, act_block=self.act_block,
-                    threads=self.cluster_threads, io_threads=self.io_threads, direct=self.direct)
+                    threads=self.cluster_threads, io_threads=self.io_threads, direct=self.direct,
+                    ram_gb=self.cluster_ram)
 
     def sampler_kwargs(self) -> dict:
         """The keyword arguments of ``_core.Sampler`` (besides the vocabulary and the seed)."""

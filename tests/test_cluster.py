@@ -123,11 +123,14 @@ def test_remote_experts_give_the_local_tokens_bit_for_bit(path):
     m = model_init(path, threads=1)
     try:
         want = _runs(m, PROMPT)
-        for n, broken in ((1, ()), (3, ()), (2, (1,))):
-            r = InProcess(path, m.cfg, n, dict(threads=1, isa=isa_active()), broken)
+        for n, broken, ram in ((1, (), None), (3, (), None), (2, (1,), None), (2, (), 1e-6)):
+            # ram: a budget smaller than one layer's share: the workers stream from their disk
+            r = InProcess(path, m.cfg, n, dict(threads=1, isa=isa_active(), ram_gb=ram), broken)
             m.set_remote(r)
-            assert _runs(m, PROMPT) == want, (n, broken)
+            assert _runs(m, PROMPT) == want, (n, broken, ram)
             assert r.calls > 0
+            if ram:
+                assert all(w.resident < w.n_experts and w.model.cache.stats["misses"] > 0 for w in r.workers)
             m.set_remote(None)
     finally:
         m.close()
@@ -149,20 +152,31 @@ def test_expert_outputs_refuse_inconsistent_calls():
 
 # -- Ray on 127.0.0.1 ---------------------------------------------------------------------------
 
+MODELS = {"int4-container": default_model_dir(), "hf-f32": str(DATA / "tiny_mtp")}
+
+
 @pytest.fixture(scope="module")
-def reference():
+def references():
     from colibri._core import model_init
-    m = model_init(default_model_dir(), threads=1)
-    want = _runs(m, PROMPT)
-    m.close()
-    return want
+    out = {}
+    for name, path in MODELS.items():
+        m = model_init(path, threads=1)
+        out[name] = _runs(m, PROMPT)
+        m.close()
+    return out
 
 
-def _cluster_model(n, timeout=30.0):
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["int4-container"]
+
+
+def _cluster_model(n, timeout=30.0, path=None):
     from colibri._core import model_init
     from colibri.cluster import attach
-    m = model_init(default_model_dir(), threads=1)
-    cl = attach(m, default_model_dir(), Options(cluster=f"local:{n}", cluster_timeout=timeout, cluster_threads=1))
+    path = path or default_model_dir()
+    m = model_init(path, threads=1)
+    cl = attach(m, path, Options(cluster=f"local:{n}", cluster_timeout=timeout, cluster_threads=1))
     cl.quiet = True
     return m, cl
 
@@ -173,17 +187,19 @@ def _only_loopback(cl):
     assert all(w.address == "127.0.0.1" for w in cl.workers)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_workers_on_ray_give_the_local_tokens(reference, n):
+@pytest.mark.parametrize("n,model", [(1, "int4-container"), (2, "int4-container"), (3, "int4-container"),
+                                     (2, "hf-f32")])
+def test_workers_on_ray_give_the_local_tokens(references, n, model):
     from colibri.cluster import detach
-    m, cl = _cluster_model(n)
+    m, cl = _cluster_model(n, path=MODELS[model])
     try:
         _only_loopback(cl)
-        assert _runs(m, PROMPT) == reference
+        assert _runs(m, PROMPT) == references[model]
         st = cl.stats()
         assert len(st["workers"]) == n and all(w["live"] and w["calls"] > 0 for w in st["workers"])
         assert sum(w["experts"] for w in st["workers"]) == int(np.sum(cl.owner >= 0))
         assert st["layer_rtt_ms"] and all(v > 0 for v in st["layer_rtt_ms"].values())
+        assert all(w["hit_rate"] == 1.0 and w["resident_experts"] == w["experts"] for w in st["workers"])
     finally:
         detach(m, cl)
         m.close()
