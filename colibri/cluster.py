@@ -58,7 +58,9 @@ def parse_cluster(spec: str) -> Tuple[str, object]:
 
 def _need_extra():
     try:
-        import ray  # noqa: F401
+        import ray
+        if not hasattr(ray, "init"):        # a folder named ray/ in the working directory, not Ray
+            raise ImportError(name="ray")
         import torch.distributed  # noqa: F401
     except ImportError as e:
         raise ClusterError(f"--cluster needs the cluster extra ({e.name} is missing): "
