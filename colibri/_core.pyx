@@ -4724,21 +4724,12 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     """
     path = os.fspath(path)
     mode = parse_prefetch(prefetch)
-    if io_threads < 1:
-        raise ValueError(f"io_threads must be >= 1, got {io_threads}")
     cfg = load_config(path)
-    check_block(act_block)
-    check_idot(idot)
     if absorb not in (-1, 0, 1):
         raise ValueError(f"absorb must be -1, 0 or 1, got {absorb}")
     if cache_experts < 0:
         raise ValueError(f"cache_experts must be >= 0, got {cache_experts}")
-    if isa is None:
-        isa = switch("ISA")
-    if isa:
-        select_isa(isa)
-    if threads:
-        coli_set_threads(threads)
+    _kernel_settings(act_block, idot, io_threads, isa, threads)
     cdef Model m = _new_model(path, cfg)
     m.idot = idot
     m.act_block = act_block
@@ -4799,6 +4790,21 @@ def model_init(path, *, int cache_experts=0, int dense_bits=32, int expert_bits=
     return m
 
 
+def _kernel_settings(int act_block, int idot, int io_threads, isa, threads):
+    """Check the settings model_init and experts_init share, then select the ISA (None: the
+    COLIBRI_ISA switch) and the thread count (0: keep)."""
+    check_block(act_block)
+    check_idot(idot)
+    if io_threads < 1:
+        raise ValueError(f"io_threads must be >= 1, got {io_threads}")
+    if isa is None:
+        isa = switch("ISA")
+    if isa:
+        select_isa(isa)
+    if threads:
+        coli_set_threads(threads)
+
+
 def _new_model(path, cfg):
     """A Model over the container at path (config checked), before any weight is read."""
     cdef Model m = Model()
@@ -4831,16 +4837,7 @@ def experts_init(path, *, int expert_bits=32, int idot=IDOT_Q8X2, int act_block=
     them with cache.fetch), with the kernels and settings of the coordinator's model."""
     path = os.fspath(path)
     cfg = load_config(path)
-    check_block(act_block)
-    check_idot(idot)
-    if io_threads < 1:
-        raise ValueError(f"io_threads must be >= 1, got {io_threads}")
-    if isa is None:
-        isa = switch("ISA")
-    if isa:
-        select_isa(isa)
-    if threads:
-        coli_set_threads(threads)
+    _kernel_settings(act_block, idot, io_threads, isa, threads)
     cdef Model m = _new_model(path, cfg)
     m.idot, m.act_block, m.absorb = idot, act_block, 0
     m.fused = switch("FUSED") != "0"

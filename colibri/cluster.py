@@ -70,13 +70,13 @@ def _need_extra():
 class _Link:
     """The coordinator's end of one worker's gloo pair group."""
 
-    def __init__(self, pg, store, gen: int):
-        self.pg, self.store, self.gen = pg, store, gen
+    def __init__(self, pg, store):
+        self.pg, self.store = pg, store         # the store serves the group's rendezvous: kept alive
 
 
 class _Worker:
-    def __init__(self, name: str, node: str, weight: float):
-        self.name, self.node, self.weight = name, node, weight
+    def __init__(self, name: str, node: str, weight: float, address: str):
+        self.name, self.node, self.weight, self.address = name, node, weight, address
         self.actor = None
         self.link: Optional[_Link] = None
         self.pid = -1
@@ -105,7 +105,7 @@ class Cluster:
     """Expert workers on Ray, with gloo links; see the module docstring."""
 
     def __init__(self, spec: str, path: str, cfg, settings: dict, *, deadline_s: float = 30.0,
-                 worker_threads: int = 0, quiet: bool = False, mtp_moe: bool = True):
+                 quiet: bool = False, mtp_moe: bool = True):
         kind, arg = parse_cluster(spec)
         if kind == "local":
             # Ray's loopback mode: node IP 127.0.0.1, every socket bound to it (read at import,
@@ -132,9 +132,6 @@ class Cluster:
         sparse = [l for l in range(cfg.n_layers) if cfg.sparse[l]] + ([cfg.n_layers] if mtp_moe else [])
         self.owner = wire.placement(cfg.n_layers + 1, cfg.n_experts, sparse, names)
         self.settings = dict(settings)
-        if worker_threads:
-            self.settings["threads"] = worker_threads
-        self.lock = threading.Lock()
         self.seq = 0
         self.layer_rtt = np.zeros(cfg.n_layers + 1)
         self.layer_calls = np.zeros(cfg.n_layers + 1, np.int64)
@@ -167,14 +164,11 @@ class Cluster:
         out = []
         nodes = sorted((n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(RESOURCE)),
                        key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
-        for i, n in enumerate(nodes):
+        for n in nodes:
             k = int(n["Resources"][RESOURCE])
             mem = float(n["Resources"].get("memory", 1.0)) or 1.0
-            for j in range(k):
-                name = f"w{len(out)}"
-                w = _Worker(name, n["NodeID"], mem / k)
-                w.address = n["NodeManagerAddress"]
-                out.append(w)
+            for _ in range(k):
+                out.append(_Worker(f"w{len(out)}", n["NodeID"], mem / k, n["NodeManagerAddress"]))
         if not out:
             raise ClusterError(f"the Ray cluster has no node offering the {RESOURCE!r} resource: start "
                                "workers with 'python -m colibri cluster worker --address HEAD:PORT'")
@@ -212,7 +206,7 @@ class Cluster:
         ref = w.actor.connect.remote(self.host, store.port, w.gen, device, self.deadline_s)
         pg = pair_group(self.host, store.port, 0, self.host, self.deadline_s, f"g{w.gen}/", store=store)
         ray.get(ref, timeout=60)
-        w.link = _Link(pg, store, w.gen)
+        w.link = _Link(pg, store)
         w.lost = None
 
     # -- one MoE call -----------------------------------------------------------------------------
