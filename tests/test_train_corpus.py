@@ -121,3 +121,22 @@ def test_tune_rounds_chain_and_the_card_rebuilds_each(tmp_path):
     assert r1 < recipe.index("convert --src /tmp/colibri_tiny_tuned1") < r2
     assert "--base-meta /tmp/colibri_tiny_tuned1/train_meta.json" in recipe[r2:]
     assert "card --src /tmp/colibri_tiny_tuned2" in recipe
+
+
+def test_fake_quant_is_the_converters_quantization():
+    """Quantization-aware tuning trains the image the converter will store: fake_quant equals
+    colibri.quant's per-row quantize + dequantize bit for bit (int4 and int8, a zero row, ties)."""
+    import numpy as np
+    import torch
+    from colibri.quant import dequantize, quantize
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 96)).astype(np.float32) * np.float32(0.05)
+    w[1] = 0.0                                                           # scale floor
+    w[2, :8] = np.float32(0.5) * np.arange(-4, 4, dtype=np.float32)      # exact halves: round to even
+    for bits in (4, 8):
+        payload, scales, _ = quantize(w, bits)
+        want = dequantize(payload, scales, *w.shape)
+        got = tt.fake_quant(torch.from_numpy(w.copy()), bits).numpy()
+        assert np.array_equal(got, want), bits
+        stacked = tt.fake_quant(torch.from_numpy(np.stack([w, w[::-1].copy()])), bits).numpy()
+        assert np.array_equal(stacked[0], want)                          # [E, O, I]: rows of the last dim

@@ -50,6 +50,8 @@ on load; colibri reads it).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -868,11 +870,14 @@ def joint_objective(lm, head, x, mon, tr, bf16=False):
     return loss, main, mtp, kl, aux
 
 
-def optimizer_step(opt, loss, clip):
-    """backward, gradient clipping, AdamW step; returns the gradient norm before clipping."""
+def optimizer_step(opt, loss, clip, after_backward=None):
+    """backward, gradient clipping, AdamW step; returns the gradient norm before clipping.
+    after_backward() runs between the backward and the step (QuantMirror.restore_)."""
     torch = _torch()
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if after_backward is not None:
+        after_backward()
     gn = torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip)
     opt.step()
     return gn
@@ -1174,6 +1179,11 @@ TUNE = dict(
     ul_ngram=4,
     ul_max_prefix=32,                   # longest def/class line used as a prefix (tokens)
     ul_window_share=0.25,               # unlikelihood prefixes taken at a random corpus offset instead
+    ul_alpha=1.0,                       # weight of the unlikelihood term
+    qat=False,                          # train the container's quantized image (QuantMirror)
+    val_prompts=16,                     # held-out *package* def lines whose greedy loops are watched
+    keep_best=False,                    # save the evaluation with the fewest validation loops
+    keep_best_slack=0.05,               # ... among those within this of the start's package loss
     eval_every=60,
     log_every=10,
     max_minutes=60,
@@ -1265,7 +1275,7 @@ def unlikelihood_objective(lm, head, x, P, mon, tr, tu):
     ul = -(torch.log(one_minus) * m).sum() / n_cont
     kl = mtp_kl(logits, mlog) if tr["mtp_distill"] else torch.zeros(())
     aux = torch.stack(mon.aux).mean() if mon.aux else torch.zeros(())
-    loss = ul + tr["mtp_distill"] * kl + tr["balance_alpha"] * aux
+    loss = tu["ul_alpha"] * ul + tr["mtp_distill"] * kl + tr["balance_alpha"] * aux
     return loss, ul, float(m.sum()) / n_cont, kl
 
 
@@ -1279,6 +1289,104 @@ def models_from_container(container, work):
     head.init_weights(cfg.initializer_range)      # not torch.empty's garbage (a NaN fails the bit-exact check)
     save_checkpoint(lm, head, load_tokenizer(container), work, meta={})
     return models_from_state(work, dequantized_state(container, work))
+
+
+def fake_quant(w, bits):
+    """w [..., I] -> its quantize-dequantize image under the converter's per-row scheme
+    (colibri.quant.quantize_rows): s = max(amax / qmax, 1e-8), v = clip(rint(w / s), -qmax-1, qmax),
+    w' = v * s, all in f32, so the container built from w holds exactly w'."""
+    torch = _torch()
+    qmax = (1 << (bits - 1)) - 1
+    s = (w.abs().amax(dim=-1, keepdim=True) / qmax).clamp_min(1e-8)
+    return torch.round(w / s).clamp_(-qmax - 1, qmax).mul_(s)
+
+
+class QuantMirror:
+    """Quantization-aware tuning, straight-through: while quantized_() holds, every main-model
+    matrix the container stores quantized holds its fake_quant image, so the greedy continuations,
+    losses and gradients are those of the model the container ships; restore_() puts the f32
+    masters back before the optimizer steps them with those gradients. (The MTP head stays f32:
+    it changes no emitted token, and its int8 image is close.)"""
+
+    def __init__(self, lm, container):
+        from safetensors import safe_open
+        fmt_bits = {"int8": 8, "int4": 4}
+        stored = {}
+        for f in sorted(os.listdir(container)):
+            if f.endswith(".safetensors"):
+                with safe_open(os.path.join(container, f), "np") as sf:
+                    for k in sf.keys():
+                        stored[k] = sf.get_slice(k).get_shape()
+        self.params = []                                  # (parameter, bits)
+        for name, p in lm.named_parameters():
+            m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+            keys = ([f"{m.group(1)}.{e}.{w}.weight" for e in range(p.shape[0])
+                     for w in (("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",))]
+                    if m else [name])
+            if keys[0] + ".qs" not in stored:
+                continue
+            O, I = p.shape[-2], p.shape[-1]
+            if m and m.group(2) == "gate_up_proj":
+                O //= 2
+            bits = set()
+            for k in keys:
+                if len(stored[k + ".qs"]) != 1:
+                    raise SystemExit(f"{container}: {k} has group scales; QuantMirror does per-row only")
+                bits.add(fmt_bits[quant_format(stored[k][0], O, I, k)])
+            if len(bits) != 1:
+                raise SystemExit(f"{container}: {name}'s experts are stored in mixed formats")
+            self.params.append((p, bits.pop()))
+        self.masters = None
+
+    def quantize_(self):
+        torch = _torch()
+        with torch.no_grad():
+            self.masters = [p.detach().clone() for p, _ in self.params]
+            for p, bits in self.params:
+                p.copy_(fake_quant(p, bits))
+
+    def restore_(self):
+        torch = _torch()
+        with torch.no_grad():
+            for (p, _), m in zip(self.params, self.masters):
+                p.copy_(m)
+        self.masters = None
+
+    @contextlib.contextmanager
+    def quantized(self):
+        self.quantize_()
+        try:
+            yield
+        finally:
+            if self.masters is not None:
+                self.restore_()
+
+
+def quant_format(nbytes, O, I, name):
+    from colibri.quant import infer_format
+    return infer_format(nbytes, O, I, name)
+
+
+def val_prompts(tok, stream, n, max_len):
+    """n greedy-validation prefixes [n/2, L] x 2: top-level def/class lines of the held-out *package*
+    files (never the model card's held-out stdlib prompts), the two most common line lengths, spread
+    evenly over the stream."""
+    torch = _torch()
+    lines = line_prefixes(tok, stream, max_len)
+    out = []
+    for L in sorted(lines, key=lambda L: -len(lines[L]))[:2]:
+        sel = lines[L][np.linspace(0, len(lines[L]) - 1, n // 2).astype(int)]
+        out.append(torch.from_numpy(np.stack([stream[s:s + L] for s in sel]).astype(np.int64)))
+    return out
+
+
+def val_distinct(lm, prompts, n_new):
+    """(mean, min) distinct 4-gram ratio of greedy continuations of the validation prompts."""
+    d = []
+    for pr in prompts:
+        x = greedy_continue(lm, pr, n_new)[:, pr.shape[1]:].tolist()
+        d += [distinct_ngrams(r) for r in x]
+    return float(np.mean(d)), float(np.min(d))
 
 
 def tune_rounds(meta) -> list:
@@ -1323,6 +1431,14 @@ def cmd_tune(args):
     log(f"unlikelihood prefixes: {sum(len(v) for v in lines[0].values())} stdlib and "
         f"{sum(len(v) for v in lines[1].values())} package def/class lines")
     lm, head = models_from_container(args.model, args.out.rstrip("/") + ".init")
+    mirror = QuantMirror(lm, args.model) if tu["qat"] else None
+    quantized = mirror.quantized if mirror else contextlib.nullcontext
+    if mirror:
+        with torch.no_grad():
+            drift = max(float((fake_quant(p, b) - p).abs().max()) for p, b in mirror.params)
+        log(f"quantization-aware: {len(mirror.params)} matrices as the container stores them "
+            f"(requantizing its own weights moves them by at most {drift:.2e})")
+    vals = val_prompts(tok, streams["pkg_held"], tu["val_prompts"], tu["ul_max_prefix"])
     lm.train(); head.train()
     E, K = lm.config.n_routed_experts, lm.config.num_experts_per_tok
     routers = [m for m in list(lm.modules()) + list(head.modules()) if isinstance(m, hf.GlmMoeDsaTopkRouter)]
@@ -1330,27 +1446,42 @@ def cmd_tune(args):
     opt = torch.optim.AdamW(param_groups([lm, head], tr["weight_decay"]), lr=tu["lr"], betas=tr["betas"], eps=1e-8)
     rng = np.random.default_rng(SEED + args.round)                # each round its own prefixes
     T, B = tr["seq_len"], tr["batch"]
-    lm.eval(); head.eval()
-    h0, t0_, _ = eval_loss(lm, head, held, T, limit=tr["eval_windows"], fast=True)
-    lm.train(); head.train()
-    log(f"start ({args.model}, dequantized): held-out ({tr['eval_windows']} windows) main {h0:.4f} mtp {t0_:.4f}")
-    curve, first, t_run = [{"step": 0, "heldout_subset_loss": round(h0, 4)}], 0, time.time()
+
+    def evaluate():
+        """held-out stdlib subset (main, MTP), held-out package subset, validation loops; all of
+        the model as it ships (quantized) when QAT is on."""
+        lm.eval(); head.eval()
+        with quantized():
+            hm, ht, _ = eval_loss(lm, head, held, T, limit=tr["eval_windows"], fast=True)
+            pm, _, _ = eval_loss(lm, head, streams["pkg_held"], T, limit=tr["eval_windows"], fast=True)
+            vd, vmin = val_distinct(lm, vals, tu["ul_new"])
+        lm.train(); head.train()
+        return dict(heldout_subset_loss=round(hm, 4), heldout_subset_mtp=round(ht, 4),
+                    pkg_subset_loss=round(pm, 4), val_distinct=round(vd, 4), val_distinct_min=round(vmin, 4))
+
+    ev0 = evaluate()
+    h0 = ev0["heldout_subset_loss"]
+    log(f"start ({args.model}, dequantized): " + " ".join(f"{k} {v}" for k, v in ev0.items()))
+    curve, first, t_run = [{"step": 0, **ev0}], 0, time.time()
+    best = None                                          # (step, val_distinct, lm state, head state)
     state_path = args.out.rstrip("/") + ".state.pt"
     if args.resume and os.path.exists(state_path):
         st = load_state(state_path, lm, head, opt, rng)
-        first, curve, t_run = st["step"], st["curve"], time.time() - st["elapsed"]
+        first, curve, t_run, best = st["step"], st["curve"], time.time() - st["elapsed"], st.get("best")
     sched = dict(tr, lr=tu["lr"], min_lr_frac=tu["min_lr_frac"], warmup=tu["warmup"], steps=tu["steps"])
     recent = {"ce": [], "ul": [], "rep": []}
     steps = tu["steps"]
     for step in range(first, tu["steps"]):
         if step > first and step % tr["save_every"] == 0:
-            save_state(state_path, lm, head, opt, rng, step, time.time() - t_run, curve=curve)
+            save_state(state_path, lm, head, opt, rng, step, time.time() - t_run, curve=curve, best=best)
         if time.time() - t_run > 60 * tu["max_minutes"]:
             log(f"WARNING: wall-clock cap of {tu['max_minutes']} min reached at step {step}; stopping")
             steps = step
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(step, sched)
+        if mirror:
+            mirror.quantize_()
         if rng.random() < tu["ul_share"]:
             prefix = ul_prefixes(rng, lines, std, pkg, tr["stdlib_share"], tu)
             lm.eval()
@@ -1363,7 +1494,7 @@ def cmd_tune(args):
             loss, main, mtp, kl, aux = joint_objective(lm, head, x, mon, tr)
             recent["ce"].append(float(main))
             mon.update_bias(tr["bias_update"])              # router loads of corpus text only
-        optimizer_step(opt, loss, tr["grad_clip"])
+        optimizer_step(opt, loss, tr["grad_clip"], after_backward=mirror.restore_ if mirror else None)
         last = step == tu["steps"] - 1
         if (step + 1) % tu["log_every"] == 0 or last:
             el = time.time() - t_run
@@ -1373,23 +1504,33 @@ def cmd_tune(args):
                     row[k] = round(float(np.mean(recent[k])), 4)
             recent = {k: [] for k in recent}
             if (step + 1) % tu["eval_every"] == 0 or last:
-                lm.eval(); head.eval()
-                hm, ht, _ = eval_loss(lm, head, held, T, limit=tr["eval_windows"], fast=True)
-                lm.train(); head.train()
-                row.update(heldout_subset_loss=round(hm, 4), heldout_subset_mtp=round(ht, 4))
+                row.update(evaluate())
+                ok = row["pkg_subset_loss"] <= ev0["pkg_subset_loss"] + tu["keep_best_slack"]
+                if tu["keep_best"] and ok and (best is None or row["val_distinct"] > best[1]):
+                    best = (step + 1, row["val_distinct"], copy.deepcopy(lm.state_dict()),
+                            copy.deepcopy(head.state_dict()))
             curve.append(row)
             log(f"step {step + 1:4d} | " + " ".join(f"{k} {v}" for k, v in row.items() if k != "step")
                 + f" | lr {lr_at(step, sched):.2e} | {el / 60:.1f} min")
     tune_s = time.time() - t_run
+    if best is not None and best[0] != steps:
+        log(f"keeping step {best[0]} (validation distinct 4-grams {best[1]}, the best within "
+            f"{tu['keep_best_slack']} of the start's package loss)")
+        lm.load_state_dict(best[2]); head.load_state_dict(best[3])
     lm.eval(); head.eval()
     rnd = {"round": args.round, "from": os.path.relpath(os.path.abspath(args.model), ROOT), "params": tu,
            "steps": steps, "seconds": round(tune_s, 1), "curve": curve, "seed": SEED + args.round,
-           "start_heldout_subset_loss": round(h0, 4)}
+           "start_heldout_subset_loss": round(h0, 4), "kept_step": best[0] if best else steps}
     meta["tune"].append(rnd)
     lm2 = save_checkpoint(lm, head, tok, args.out, meta)
     _, head2 = load_checkpoint(args.out)
     hm, ht, nw = eval_loss(lm2, head2, held, T, fast=True)
     rnd.update(heldout_loss=round(hm, 4), heldout_mtp_loss=round(ht, 4), heldout_windows=nw)
+    if mirror:                                           # what the container will hold
+        with mirror.quantized():
+            hq, _, _ = eval_loss(lm, head, held, T, fast=True)
+        rnd["heldout_loss_quantized"] = round(hq, 4)
+        log(f"held-out loss of the quantized image: {hq:.4f}")
     write_json(os.path.join(args.out, "train_meta.json"), meta)
     log(f"tuned {steps} steps in {tune_s / 60:.1f} min; held-out ({nw} windows): main {hm:.4f} "
         f"(ppl {math.exp(hm):.2f}), MTP {ht:.4f}; saved {args.out}")
@@ -1754,16 +1895,36 @@ def render_tune(meta, tr) -> list:
     for rn in rounds:
         pu = rn["params"]
         L.append(f"\n### Round {rn.get('round', 1)}\n")
+        qat = pu.get("qat", False)
         L.append(f"From the int4 container of {'the training above' if rn.get('round', 1) == 1 else 'the round before'}: "
                  f"{rn['steps']} steps ({rn['seconds'] / 60:.1f} min, AdamW lr {pu['lr']} cosine to "
-                 f"{pu['min_lr_frac']}×, seed {rn['seed']}), a share of {pu['ul_share']} of them unlikelihood steps.")
-        L.append(f"\n- Held-out stdlib loss after the round (all {rn['heldout_windows']} windows, f32): main "
-                 f"**{rn['heldout_loss']:.4f} (perplexity {math.exp(rn['heldout_loss']):.1f})**, MTP (t+2) "
-                 f"{rn['heldout_mtp_loss']:.4f}.\n")
-        rows = [[c["step"], c.get("ce", "–"), c.get("ul", "–"), c.get("rep", "–"), c.get("heldout_subset_loss", "–"),
-                 f"{c.get('elapsed_s', 0) / 60:.1f}"] for c in rn["curve"]
+                 f"{pu['min_lr_frac']}×, seed {rn['seed']}), a share of {pu['ul_share']} of them unlikelihood steps"
+                 f" (weight {pu.get('ul_alpha', 1.0)}).")
+        if qat:
+            L.append("\nQuantization-aware (straight-through): every forward, greedy continuation and gradient of "
+                     "this round ran on the int4/int8 image of the weights, exactly as the converter quantizes "
+                     "them (per-row symmetric, round to nearest even), and the optimizer stepped the f32 masters; so "
+                     "the container holds the very model the round tuned. (Round 1 tuned f32 weights, and int4 "
+                     "requantization keeps only ~84% of f32's top-1 tokens: its greedy paths were not the ones tuned.)")
+        if pu.get("keep_best"):
+            L.append(f"\nEvery {pu['eval_every']} steps, {pu['val_prompts']} top-level `def`/`class` lines of the "
+                     f"held-out *package* files (not the prompts below) were continued greedily for {pu['ul_new']} "
+                     "tokens (`val distinct`: their mean distinct 4-gram ratio); the round keeps the evaluation with "
+                     f"the highest, among those within {pu['keep_best_slack']} of the start's held-out package loss: "
+                     f"step {rn.get('kept_step', rn['steps'])}.")
+        held = (f"all {rn['heldout_windows']} windows, {'the quantized image' if qat else 'f32'}")
+        loss = rn.get("heldout_loss_quantized", rn["heldout_loss"]) if qat else rn["heldout_loss"]
+        L.append(f"\n- Held-out stdlib loss after the round ({held}): main "
+                 f"**{loss:.4f} (perplexity {math.exp(loss):.1f})**" +
+                 (f", MTP (t+2) {rn['heldout_mtp_loss']:.4f}.\n" if not qat else
+                  f"; the f32 masters {rn['heldout_loss']:.4f}.\n"))
+        cols = [("step", "step"), ("corpus CE", "ce"), ("unlikelihood", "ul"), ("rep", "rep"),
+                ("held-out (subset)", "heldout_subset_loss")]
+        if any("val_distinct" in c for c in rn["curve"]):
+            cols += [("package held-out (subset)", "pkg_subset_loss"), ("val distinct", "val_distinct")]
+        rows = [[c.get(k, "–") for _, k in cols] + [f"{c.get('elapsed_s', 0) / 60:.1f}"] for c in rn["curve"]
                 if "heldout_subset_loss" in c or c is rn["curve"][-1]]
-        L.append(_md_table(["step", "corpus CE", "unlikelihood", "rep", "held-out (subset)", "minutes"], rows))
+        L.append(_md_table([h for h, _ in cols] + ["minutes"], rows))
     return L
 
 
