@@ -1,4 +1,4 @@
-"""The embedded model's corpus rules in tools/train_tiny.py (pure Python: no torch needed).
+"""The embedded model's corpus rules in tools/train_tiny.py (pure Python; torch, a test extra, only for fake_quant).
 
 The held-out benchmark must stay the same set of stdlib files from one edition of the model to the
 next, training files must not carry copies of held-out ones (vendored or backported modules), and
@@ -140,3 +140,18 @@ def test_fake_quant_is_the_converters_quantization():
         assert np.array_equal(got, want), bits
         stacked = tt.fake_quant(torch.from_numpy(np.stack([w, w[::-1].copy()])), bits).numpy()
         assert np.array_equal(stacked[0], want)                          # [E, O, I]: rows of the last dim
+
+
+def test_ditto_batches_repeat_one_corpus_span():
+    """A DITTO sequence is a corpus prefix and then the span that follows it in the corpus,
+    repeated to the sequence's length (period L from P on)."""
+    import numpy as np
+    tu = dict(tt.TUNE, ul_batch=4, ditto_len=96, ditto_span=(4, 9))
+    std, pkg = np.arange(5000, dtype=np.uint16), np.arange(5000, 9000, dtype=np.uint16)
+    for seed in range(5):
+        x, P, L = tt.ditto_batch(np.random.default_rng(seed), std, pkg, 0.5, tu)
+        x = x.numpy()
+        assert x.shape == (4, 96) and 16 <= P <= 64 and 4 <= L <= 9
+        for row in x:
+            assert (np.diff(row[:P + L]) == 1).all()                     # contiguous corpus text
+            assert (row[P + L:] == row[P:96 - L]).all()                  # then the span, again and again

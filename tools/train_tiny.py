@@ -13,8 +13,9 @@ The whole pipeline, reproducible with fixed seeds (CPU, torch 2.13.0, transforme
   eval     held-out loss of containers, parity, greedy loops (distinct 4-grams), MTP acceptance
            (greedy and sampled, depths 1-4) and decode speed through the CLI.
   tune     fine-tune the converted container against greedy loops (sequence-level unlikelihood
-           on the model's own greedy continuations, with the next-token + MTP objective kept),
-           f32 checkpoint in --out; resumable (--resume) from OUT.state.pt.
+           on the model's own greedy continuations, or DITTO on repeated corpus spans, with the
+           next-token + MTP objective kept; quantization-aware from round 2: on the container's
+           int4 image), f32 checkpoint in --out; resumable (--resume) from OUT.state.pt.
   card     colibri/models/default/MODEL_CARD.md (and train_meta.json) from the training metadata
            and the eval results.
 
@@ -1180,10 +1181,16 @@ TUNE = dict(
     ul_max_prefix=32,                   # longest def/class line used as a prefix (tokens)
     ul_window_share=0.25,               # unlikelihood prefixes taken at a random corpus offset instead
     ul_alpha=1.0,                       # weight of the unlikelihood term
+    anti_loop="unlikelihood",           # what the ul_share steps are: "unlikelihood" or "ditto"
+    ul_kl=0.0,                          # weight of KL(start model || model) on the unpenalised continuation tokens
+    ditto_lambda=0.5,                   # DITTO: a repeat's probability is pushed to lambda x the last one's
+    ditto_len=256,                      # DITTO sequences: a corpus prefix, then one span repeated to this length
+    ditto_span=(4, 24),                 # ... the repeated span's length in tokens (inclusive)
     qat=False,                          # train the container's quantized image (QuantMirror)
     val_prompts=16,                     # held-out *package* def lines whose greedy loops are watched
     keep_best=False,                    # save the evaluation with the fewest validation loops
     keep_best_slack=0.05,               # ... among those within this of the start's package loss
+    keep_best_max_ref_nll=3.0,          # ... whose continuations the start model finds likely enough
     eval_every=60,
     log_every=10,
     max_minutes=60,
@@ -1260,9 +1267,11 @@ def ul_prefixes(rng, lines, std, pkg, share, tu):
     return torch.from_numpy(np.stack([a[s:s + L] for s in starts]).astype(np.int64))
 
 
-def unlikelihood_objective(lm, head, x, P, mon, tr, tu):
+def unlikelihood_objective(lm, head, x, P, mon, tr, tu, ref=None):
     """(loss, UL, share of continuation tokens in repeated n-grams, MTP KL) for sequences x [B, S]
-    whose first P tokens are the prefix."""
+    whose first P tokens are the prefix. With tu["ul_kl"] and ref (the round's starting model),
+    plus ul_kl x KL(ref || model) at the continuation tokens UL leaves alone: the anchor that keeps
+    a small model from escaping its loops into rare-token soup (only the repeats move)."""
     torch = _torch()
     F = torch.nn.functional
     marks = torch.from_numpy(repeat_marks(x.numpy(), P, tu["ul_ngram"]))
@@ -1276,7 +1285,55 @@ def unlikelihood_objective(lm, head, x, P, mon, tr, tu):
     kl = mtp_kl(logits, mlog) if tr["mtp_distill"] else torch.zeros(())
     aux = torch.stack(mon.aux).mean() if mon.aux else torch.zeros(())
     loss = tu["ul_alpha"] * ul + tr["mtp_distill"] * kl + tr["balance_alpha"] * aux
+    if tu["ul_kl"] and ref is not None:
+        with torch.no_grad():
+            rlog, _ = fast_logits(ref[0], ref[1], x)
+        rl = F.log_softmax(rlog.float(), dim=-1)[:, P - 1:]         # [B, S-P, V] continuation positions
+        ml = F.log_softmax(logits.float(), dim=-1)[:, P - 1:]
+        keep = 1.0 - m[:, P - 1:]
+        akl = ((rl.exp() * (rl - ml)).sum(-1) * keep).sum() / keep.sum().clamp_min(1.0)
+        loss = loss + tu["ul_kl"] * akl
     return loss, ul, float(m.sum()) / n_cont, kl
+
+
+def ditto_batch(rng, std, pkg, share, tu):
+    """(x [B, ditto_len], P, L) for one DITTO step: a corpus prefix of P tokens, then the L tokens
+    that follow it in the corpus repeated to the end (the "sentence" repeated N times of Xu et
+    al., 2022)."""
+    torch = _torch()
+    B, S = tu["ul_batch"], tu["ditto_len"]
+    P = int(rng.integers(16, 65))
+    L = int(rng.integers(tu["ditto_span"][0], tu["ditto_span"][1] + 1))
+    w = sample_windows(rng, std, pkg, share, B, P + L - 1)           # [B, P + L]
+    reps = -(-(S - P) // L)
+    return torch.cat([w[:, :P], w[:, P:].repeat(1, reps)], dim=1)[:, :S], P, L
+
+
+def ditto_objective(lm, head, x, P, L, mon, tr, tu):
+    """(loss, DITTO term, MTP KL) on a repeated span (Xu et al., 2022, "Learning to break the
+    loop"): a small model's probability of repeating a span grows with each repetition (the
+    self-reinforcement that makes greedy decoding loop). For every token of the 2nd, 3rd, ...
+    copy, with p_n its probability there and p_{n-1} (held fixed) at the same token of the copy
+    before,
+
+        DITTO = mean -log(1 - max(p_n - lambda * p_{n-1}, 0))
+
+    so a repetition's probability decays by lambda with each copy instead of growing (one-sided:
+    the paper's |p_n - lambda p_{n-1}| would also raise a repeat's probability where it is below). The text the
+    model continues stays the corpus's (no generated junk is rewarded, unlike unlikelihood on
+    its own continuations, which a small model escapes into rare-token soup)."""
+    torch = _torch()
+    F = torch.nn.functional
+    mon.reset()
+    logits, mlog = fast_logits(lm, head, x, mon)                  # [B, S-1, V] predicts x[:, 1:]
+    p = F.softmax(logits.float(), dim=-1).gather(-1, x[:, 1:, None])[..., 0]     # [B, S-1]
+    t = torch.arange(P + L, x.shape[1])                            # tokens of the 2nd copy on
+    pn, prev = p[:, t - 1], p[:, t - 1 - L].detach()
+    d = -torch.log((1 - (pn - tu["ditto_lambda"] * prev).clamp_min(0)).clamp_min(1e-5)).mean()
+    kl = mtp_kl(logits, mlog) if tr["mtp_distill"] else torch.zeros(())
+    aux = torch.stack(mon.aux).mean() if mon.aux else torch.zeros(())
+    loss = tu["ul_alpha"] * d + tr["mtp_distill"] * kl + tr["balance_alpha"] * aux
+    return loss, d, float(pn.detach().mean()), kl
 
 
 def models_from_container(container, work):
@@ -1380,13 +1437,22 @@ def val_prompts(tok, stream, n, max_len):
     return out
 
 
-def val_distinct(lm, prompts, n_new):
-    """(mean, min) distinct 4-gram ratio of greedy continuations of the validation prompts."""
-    d = []
+def val_distinct(lm, prompts, n_new, ref):
+    """(mean, min) distinct 4-gram ratio of greedy continuations of the validation prompts, and
+    the continuations' mean NLL under ref (the round's starting model): loops score low there,
+    rare-token soup (a small model's escape from a too strong anti-loop term) high."""
+    torch = _torch()
+    F = torch.nn.functional
+    d, nll, n = [], 0.0, 0
     for pr in prompts:
-        x = greedy_continue(lm, pr, n_new)[:, pr.shape[1]:].tolist()
-        d += [distinct_ngrams(r) for r in x]
-    return float(np.mean(d)), float(np.min(d))
+        x = greedy_continue(lm, pr, n_new)
+        d += [distinct_ngrams(r) for r in x[:, pr.shape[1]:].tolist()]
+        with torch.no_grad():
+            logits, _ = fast_logits(ref[0], ref[1], x)
+            lp = F.log_softmax(logits.float(), dim=-1).gather(-1, x[:, 1:, None])[..., 0]
+        nll -= float(lp[:, pr.shape[1] - 1:].sum())
+        n += lp[:, pr.shape[1] - 1:].numel()
+    return float(np.mean(d)), float(np.min(d)), nll / n
 
 
 def tune_rounds(meta) -> list:
@@ -1439,6 +1505,7 @@ def cmd_tune(args):
         log(f"quantization-aware: {len(mirror.params)} matrices as the container stores them "
             f"(requantizing its own weights moves them by at most {drift:.2e})")
     vals = val_prompts(tok, streams["pkg_held"], tu["val_prompts"], tu["ul_max_prefix"])
+    ref = (copy.deepcopy(lm).eval(), copy.deepcopy(head).eval())   # the start (== its quantized image)
     lm.train(); head.train()
     E, K = lm.config.n_routed_experts, lm.config.num_experts_per_tok
     routers = [m for m in list(lm.modules()) + list(head.modules()) if isinstance(m, hf.GlmMoeDsaTopkRouter)]
@@ -1454,10 +1521,11 @@ def cmd_tune(args):
         with quantized():
             hm, ht, _ = eval_loss(lm, head, held, T, limit=tr["eval_windows"], fast=True)
             pm, _, _ = eval_loss(lm, head, streams["pkg_held"], T, limit=tr["eval_windows"], fast=True)
-            vd, vmin = val_distinct(lm, vals, tu["ul_new"])
+            vd, vmin, vref = val_distinct(lm, vals, tu["ul_new"], ref)
         lm.train(); head.train()
         return dict(heldout_subset_loss=round(hm, 4), heldout_subset_mtp=round(ht, 4),
-                    pkg_subset_loss=round(pm, 4), val_distinct=round(vd, 4), val_distinct_min=round(vmin, 4))
+                    pkg_subset_loss=round(pm, 4), val_distinct=round(vd, 4), val_distinct_min=round(vmin, 4),
+                    val_ref_nll=round(vref, 4))
 
     ev0 = evaluate()
     h0 = ev0["heldout_subset_loss"]
@@ -1482,12 +1550,17 @@ def cmd_tune(args):
             g["lr"] = lr_at(step, sched)
         if mirror:
             mirror.quantize_()
-        if rng.random() < tu["ul_share"]:
+        anti_loop = rng.random() < tu["ul_share"]
+        if anti_loop and tu["anti_loop"] == "ditto":
+            x, P, L = ditto_batch(rng, std, pkg, tr["stdlib_share"], tu)
+            loss, ul, rep, kl = ditto_objective(lm, head, x, P, L, mon, tr, tu)
+            recent["ul"].append(float(ul.detach())); recent["rep"].append(rep)
+        elif anti_loop:
             prefix = ul_prefixes(rng, lines, std, pkg, tr["stdlib_share"], tu)
             lm.eval()
             x = greedy_continue(lm, prefix, tu["ul_new"])
             lm.train()
-            loss, ul, rep, kl = unlikelihood_objective(lm, head, x, prefix.shape[1], mon, tr, tu)
+            loss, ul, rep, kl = unlikelihood_objective(lm, head, x, prefix.shape[1], mon, tr, tu, ref)
             recent["ul"].append(float(ul.detach())); recent["rep"].append(rep)
         else:
             x = sample_windows(rng, std, pkg, tr["stdlib_share"], B, T)
@@ -1505,7 +1578,8 @@ def cmd_tune(args):
             recent = {k: [] for k in recent}
             if (step + 1) % tu["eval_every"] == 0 or last:
                 row.update(evaluate())
-                ok = row["pkg_subset_loss"] <= ev0["pkg_subset_loss"] + tu["keep_best_slack"]
+                ok = (row["pkg_subset_loss"] <= ev0["pkg_subset_loss"] + tu["keep_best_slack"]
+                      and row["val_ref_nll"] <= tu["keep_best_max_ref_nll"])
                 if tu["keep_best"] and ok and (best is None or row["val_distinct"] > best[1]):
                     best = (step + 1, row["val_distinct"], copy.deepcopy(lm.state_dict()),
                             copy.deepcopy(head.state_dict()))
@@ -1896,10 +1970,22 @@ def render_tune(meta, tr) -> list:
         pu = rn["params"]
         L.append(f"\n### Round {rn.get('round', 1)}\n")
         qat = pu.get("qat", False)
+        ditto = pu.get("anti_loop") == "ditto"
         L.append(f"From the int4 container of {'the training above' if rn.get('round', 1) == 1 else 'the round before'}: "
                  f"{rn['steps']} steps ({rn['seconds'] / 60:.1f} min, AdamW lr {pu['lr']} cosine to "
-                 f"{pu['min_lr_frac']}×, seed {rn['seed']}), a share of {pu['ul_share']} of them unlikelihood steps"
-                 f" (weight {pu.get('ul_alpha', 1.0)}).")
+                 f"{pu['min_lr_frac']}×, seed {rn['seed']}), a share of {pu['ul_share']} of them "
+                 f"{'DITTO' if ditto else 'unlikelihood'} steps (weight {pu.get('ul_alpha', 1.0)}).")
+        if ditto:
+            lo, hi = pu["ditto_span"]
+            L.append(f"\nDITTO steps (Xu et al., 2022, \"Learning to break the loop\") replace the unlikelihood "
+                     f"steps: {pu['ul_batch']} corpus windows, each a prefix of 16–64 tokens followed by the next "
+                     f"{lo}–{hi} tokens repeated to {pu['ditto_len']} tokens; at every token of the second and later "
+                     "copies, with p_n its probability there and p_(n−1) (held fixed) at the same token one copy "
+                     f"earlier, the loss is −log(1 − max(p_n − {pu['ditto_lambda']}·p_(n−1), 0)): a repeat grows "
+                     "less likely with each copy instead of more (the self-reinforcement that makes greedy "
+                     "decoding loop), and no generated text is rewarded. (Unlikelihood on the quantized model's "
+                     "own continuations, tried first for this round, broke its loops by emitting rare-token "
+                     "soup.) `DITTO` is that loss, `p(repeat)` the mean p_n.")
         if qat:
             L.append("\nQuantization-aware (straight-through): every forward, greedy continuation and gradient of "
                      "this round ran on the int4/int8 image of the weights, exactly as the converter quantizes "
@@ -1909,19 +1995,22 @@ def render_tune(meta, tr) -> list:
         if pu.get("keep_best"):
             L.append(f"\nEvery {pu['eval_every']} steps, {pu['val_prompts']} top-level `def`/`class` lines of the "
                      f"held-out *package* files (not the prompts below) were continued greedily for {pu['ul_new']} "
-                     "tokens (`val distinct`: their mean distinct 4-gram ratio); the round keeps the evaluation with "
-                     f"the highest, among those within {pu['keep_best_slack']} of the start's held-out package loss: "
-                     f"step {rn.get('kept_step', rn['steps'])}.")
+                     "tokens (`val distinct`: their mean distinct 4-gram ratio; `val NLL under the start`: those "
+                     "continuations' mean NLL under the round's starting model, which loops make low and rare-token "
+                     "soup high); the round keeps the evaluation with the highest val distinct, among those within "
+                     f"{pu['keep_best_slack']} of the start's held-out package loss and with a val NLL of at most "
+                     f"{pu.get('keep_best_max_ref_nll', '–')}: step {rn.get('kept_step', rn['steps'])}.")
         held = (f"all {rn['heldout_windows']} windows, {'the quantized image' if qat else 'f32'}")
         loss = rn.get("heldout_loss_quantized", rn["heldout_loss"]) if qat else rn["heldout_loss"]
         L.append(f"\n- Held-out stdlib loss after the round ({held}): main "
                  f"**{loss:.4f} (perplexity {math.exp(loss):.1f})**" +
                  (f", MTP (t+2) {rn['heldout_mtp_loss']:.4f}.\n" if not qat else
                   f"; the f32 masters {rn['heldout_loss']:.4f}.\n"))
-        cols = [("step", "step"), ("corpus CE", "ce"), ("unlikelihood", "ul"), ("rep", "rep"),
-                ("held-out (subset)", "heldout_subset_loss")]
+        cols = [("step", "step"), ("corpus CE", "ce"), ("DITTO" if ditto else "unlikelihood", "ul"),
+                ("p(repeat)" if ditto else "rep", "rep"), ("held-out (subset)", "heldout_subset_loss")]
         if any("val_distinct" in c for c in rn["curve"]):
-            cols += [("package held-out (subset)", "pkg_subset_loss"), ("val distinct", "val_distinct")]
+            cols += [("package held-out (subset)", "pkg_subset_loss"), ("val distinct", "val_distinct"),
+                     ("val distinct min", "val_distinct_min"), ("val NLL under the start", "val_ref_nll")]
         rows = [[c.get(k, "–") for _, k in cols] + [f"{c.get('elapsed_s', 0) / 60:.1f}"] for c in rn["curve"]
                 if "heldout_subset_loss" in c or c is rn["curve"][-1]]
         L.append(_md_table([h for h, _ in cols] + ["minutes"], rows))
