@@ -2121,7 +2121,11 @@ def render_card(meta, res, cfg, manifest, model_bytes) -> str:
         L.append(f"\nShipped: int{manifest['bits']['expert']}. int4 costs {d4:+.4f} nats of held-out loss against "
                  f"int8 ({100 * d4 / q['int8']['loss']:+.2f}%) for {100 * (1 - q['int4']['bytes'] / q['int8']['bytes']):.0f}% "
                  "less on disk; the MTP head stays int8 in both."
-                 + (" (The tuning started from the int4 container's dequantized weights; requantized, they score "
+                 + (" The last tuning round was quantization-aware: it tuned the int4 image, so its f32 masters "
+                    "(the first row) are not a model of their own and the int8 row requantizes those masters; the "
+                    "int4 container is the model the round made." if tune_rounds(meta) and
+                    tune_rounds(meta)[-1].get("params", {}).get("qat") else
+                    " (The tuning started from the int4 container's dequantized weights; requantized, they score "
                     "below the f32 tuned weights on the held-out files.)" if meta.get("tune") and d4 < 0 else ""))
     par = res.get("parity")
     if par:
