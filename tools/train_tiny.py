@@ -1109,6 +1109,11 @@ def dequantized_state(container, f32_dir) -> dict:
     return out
 
 
+# HF's fused expert tensors ([E, 2I, H] gate+up, [E, H, I] down); the container and the f32
+# checkpoint hold them per expert (model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight)
+FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
 def models_from_state(f32_dir, sd: dict):
     """HF main model (eager, f32) + MTP head with the given HF-named state (per-expert names)."""
     torch = _torch()
@@ -1117,7 +1122,7 @@ def models_from_state(f32_dir, sd: dict):
     E, I = lm.config.n_routed_experts, lm.config.moe_intermediate_size
     lsd = {}
     for k in lm.state_dict():
-        m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", k)
+        m = FUSED_EXPERTS.match(k)
         if m and m.group(2) == "gate_up_proj":
             lsd[k] = torch.stack([torch.cat([t[f"{m.group(1)}.{e}.gate_proj.weight"],
                                              t[f"{m.group(1)}.{e}.up_proj.weight"]]) for e in range(E)])
@@ -1359,7 +1364,8 @@ def fake_quant(w, bits):
 
 
 class QuantMirror:
-    """Quantization-aware tuning, straight-through: while quantized_() holds, every main-model
+    """Quantization-aware tuning, straight-through: from quantize_() to restore_() (or inside
+    quantized()), every main-model
     matrix the container stores quantized holds its fake_quant image, so the greedy continuations,
     losses and gradients are those of the model the container ships; restore_() puts the f32
     masters back before the optimizer steps them with those gradients. (The MTP head stays f32:
@@ -1367,6 +1373,8 @@ class QuantMirror:
 
     def __init__(self, lm, container):
         from safetensors import safe_open
+
+        from colibri.quant import infer_format
         fmt_bits = {"int8": 8, "int4": 4}
         stored = {}
         for f in sorted(os.listdir(container)):
@@ -1376,7 +1384,7 @@ class QuantMirror:
                         stored[k] = sf.get_slice(k).get_shape()
         self.params = []                                  # (parameter, bits)
         for name, p in lm.named_parameters():
-            m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+            m = FUSED_EXPERTS.match(name)
             keys = ([f"{m.group(1)}.{e}.{w}.weight" for e in range(p.shape[0])
                      for w in (("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",))]
                     if m else [name])
@@ -1389,7 +1397,7 @@ class QuantMirror:
             for k in keys:
                 if len(stored[k + ".qs"]) != 1:
                     raise SystemExit(f"{container}: {k} has group scales; QuantMirror does per-row only")
-                bits.add(fmt_bits[quant_format(stored[k][0], O, I, k)])
+                bits.add(fmt_bits[infer_format(stored[k][0], O, I, k)])
             if len(bits) != 1:
                 raise SystemExit(f"{container}: {name}'s experts are stored in mixed formats")
             self.params.append((p, bits.pop()))
@@ -1417,11 +1425,6 @@ class QuantMirror:
         finally:
             if self.masters is not None:
                 self.restore_()
-
-
-def quant_format(nbytes, O, I, name):
-    from colibri.quant import infer_format
-    return infer_format(nbytes, O, I, name)
 
 
 def val_prompts(tok, stream, n, max_len):
