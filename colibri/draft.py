@@ -16,6 +16,8 @@ MAX_PROBE iterations; still unsure, the shallower depth is kept and the next pro
 The SETTLE iterations after a losing probe (whose verify rows evicted experts they need), the first
 ones of a generation (after the prefill's loads) and the first of a probe (the incumbent's cache
 state) are not taken as costs.
+A probe up whose best case loses (one more row priced at what the last row cost, over the tokens
+the acceptance by position says it would add) is not run and counts as lost.
 A probe that wins becomes the depth and the next step that way comes soon; a probe that loses
 quadruples the gap to the next one, so a useless head costs a few iterations per generation and a
 useful one is found within the first few dozen tokens; the pooled acceptance keeps a short probe's
@@ -203,7 +205,11 @@ class DraftPolicy:
         self._since += 1
         if self._since >= self.probe_gap and self._settle == 0:    # not while the incumbent settles
             cand = self._cur + 1 if (self._up or self._cur == 0) and self._cur < self.max_depth else self._cur - 1
-            if 0 <= cand <= self.max_depth and cand != self._cur:
+            if 0 <= cand <= self.max_depth and cand != self._cur and cand > self._cur and self._cannot_pay(cand):
+                # a probe up that even a cost linear in the rows says loses: not run, taken as lost
+                self._since, self._up = 0, False
+                self.probe_gap = min(4 * self.probe_gap, self.max_probe_gap)
+            elif 0 <= cand <= self.max_depth and cand != self._cur:
                 self._since = 0
                 # a depth measured before needs fewer iterations to bring its figures up to date
                 # (+ SETTLE_PROBE: its first iterations pay for the incumbent's cache state)
@@ -211,6 +217,20 @@ class DraftPolicy:
                 self._from, self._probe, self._cur, self._left = self._cur, cand, cand, n - 1
                 self._block, self._settle = [], SETTLE_PROBE
         return self._cur
+
+    def _cannot_pay(self, cand: int) -> bool:
+        """Whether a probe from depth cand - 1 = d >= 1 up to cand would lose even if one more row
+        cost only what the last one did: the iteration at cand priced at c(d) + (c(d) - c(d-1)),
+        the medians of the two shallower depths, over the tokens it would emit. On a real host
+        a verify row costs more than the one before it (its experts evict the next row's), so this
+        is the probe's best case; skipping probes that cannot win keeps a depth whose next step
+        loses (sampled text, whose acceptance falls fast by position) from paying for them."""
+        d = cand - 1
+        cd, cp = self.iteration_seconds(d), self.iteration_seconds(d - 1) if d >= 1 else None
+        if cd is None or cp is None:
+            return False
+        best_case = (cd + max(cd - cp, 0.0)) / self.expected_tokens(cand)
+        return best_case > cd / self.expected_tokens(d)
 
     def _verdict(self, probe: int, incumbent: int) -> str:
         """'win', 'lose' or 'unsure': seconds per token of the probe block (the median of its

@@ -342,6 +342,18 @@ def test_auto_finds_the_best_depth():
     assert np.mean(depths[-100:]) >= 2.5
 
 
+def test_auto_does_not_probe_a_depth_that_cannot_pay():
+    """Depth 1 wins (0.00875 s/token against depth 0's 0.010), depth 2 loses even at a linear cost
+    per row (0.0092): once depths 0 and 1 are measured, probes up from 1 are skipped (their best
+    case loses), so after one probe (while the acceptance of draft 2 is still a guess) no iteration
+    runs at depth 2 or deeper, and depth 1 holds."""
+    pol = DraftPolicy("auto")
+    depths = simulate(pol, 300, 0.6, lambda i, d, _: 0.010 + 0.004 * d, seed=3)
+    assert depths[-200:].count(1) >= 190
+    assert sum(1 for d in depths if d >= 2) <= 6 and max(depths[50:]) == 1
+    assert pol._cannot_pay(2) and not pol._cannot_pay(1)
+
+
 def test_auto_judges_a_probe_against_fresh_costs():
     """Depth 0's first iterations are slow (a cold cache after load): a probe must not win against
     them once depth 0 runs fast; the iterations right after a losing probe (the probe's evictions)
