@@ -142,6 +142,7 @@ TRAIN = dict(
 # Held-out prompts for the MTP / speed measurements: the first lines of held-out files, cut at a
 # code line boundary. Filled in by heldout_prompts().
 N_PROMPTS = 12
+DISTINCT_OK = 0.6      # a greedy continuation with fewer distinct 4-grams than this has looped
 
 
 def log(*a):
@@ -1196,6 +1197,7 @@ TUNE = dict(
     keep_best=False,                    # save the evaluation with the fewest validation loops
     keep_best_slack=0.05,               # ... among those within this of the start's package loss
     keep_best_max_ref_nll=3.0,          # ... whose continuations the start model finds likely enough
+    keep_best_by_loop_free=False,       # best = most prompts >= DISTINCT_OK (then the mean), not the mean
     eval_every=60,
     log_every=10,
     max_minutes=60,
@@ -1441,9 +1443,10 @@ def val_prompts(tok, stream, n, max_len):
 
 
 def val_distinct(lm, prompts, n_new, ref):
-    """(mean, min) distinct 4-gram ratio of greedy continuations of the validation prompts, and
-    the continuations' mean NLL under ref (the round's starting model): loops score low there,
-    rare-token soup (a small model's escape from a too strong anti-loop term) high."""
+    """(mean, min, share >= DISTINCT_OK) distinct 4-gram ratio of greedy continuations of the
+    validation prompts, and the continuations' mean NLL under ref (the round's starting model):
+    loops score low there, rare-token soup (a small model's escape from a too strong anti-loop
+    term) high."""
     torch = _torch()
     F = torch.nn.functional
     d, nll, n = [], 0.0, 0
@@ -1455,7 +1458,7 @@ def val_distinct(lm, prompts, n_new, ref):
             lp = F.log_softmax(logits.float(), dim=-1).gather(-1, x[:, 1:, None])[..., 0]
         nll -= float(lp[:, pr.shape[1] - 1:].sum())
         n += lp[:, pr.shape[1] - 1:].numel()
-    return float(np.mean(d)), float(np.min(d)), nll / n
+    return float(np.mean(d)), float(np.min(d)), float(np.mean(np.array(d) >= DISTINCT_OK)), nll / n
 
 
 def tune_rounds(meta) -> list:
@@ -1524,11 +1527,11 @@ def cmd_tune(args):
         with quantized():
             hm, ht, _ = eval_loss(lm, head, held, T, limit=tr["eval_windows"], fast=True)
             pm, _, _ = eval_loss(lm, head, streams["pkg_held"], T, limit=tr["eval_windows"], fast=True)
-            vd, vmin, vref = val_distinct(lm, vals, tu["ul_new"], ref)
+            vd, vmin, vok, vref = val_distinct(lm, vals, tu["ul_new"], ref)
         lm.train(); head.train()
         return dict(heldout_subset_loss=round(hm, 4), heldout_subset_mtp=round(ht, 4),
                     pkg_subset_loss=round(pm, 4), val_distinct=round(vd, 4), val_distinct_min=round(vmin, 4),
-                    val_ref_nll=round(vref, 4))
+                    val_loop_free=round(vok, 4), val_ref_nll=round(vref, 4))
 
     ev0 = evaluate()
     h0 = ev0["heldout_subset_loss"]
@@ -1568,7 +1571,7 @@ def cmd_tune(args):
         else:
             x = sample_windows(rng, std, pkg, tr["stdlib_share"], B, T)
             loss, main, mtp, kl, aux = joint_objective(lm, head, x, mon, tr)
-            recent["ce"].append(float(main))
+            recent["ce"].append(float(main.detach()))
             mon.update_bias(tr["bias_update"])              # router loads of corpus text only
         optimizer_step(opt, loss, tr["grad_clip"], after_backward=mirror.restore_ if mirror else None)
         last = step == tu["steps"] - 1
@@ -1583,8 +1586,10 @@ def cmd_tune(args):
                 row.update(evaluate())
                 ok = (row["pkg_subset_loss"] <= ev0["pkg_subset_loss"] + tu["keep_best_slack"]
                       and row["val_ref_nll"] <= tu["keep_best_max_ref_nll"])
-                if tu["keep_best"] and ok and (best is None or row["val_distinct"] > best[1]):
-                    best = (step + 1, row["val_distinct"], copy.deepcopy(lm.state_dict()),
+                score = (row["val_loop_free"], row["val_distinct"]) if tu["keep_best_by_loop_free"] \
+                    else row["val_distinct"]
+                if tu["keep_best"] and ok and (best is None or score > best[1]):
+                    best = (step + 1, score, copy.deepcopy(lm.state_dict()),
                             copy.deepcopy(head.state_dict()))
             curve.append(row)
             log(f"step {step + 1:4d} | " + " ".join(f"{k} {v}" for k, v in row.items() if k != "step")
@@ -2000,7 +2005,9 @@ def render_tune(meta, tr) -> list:
                      f"held-out *package* files (not the prompts below) were continued greedily for {pu['ul_new']} "
                      "tokens (`val distinct`: their mean distinct 4-gram ratio; `val NLL under the start`: those "
                      "continuations' mean NLL under the round's starting model, which loops make low and rare-token "
-                     "soup high); the round keeps the evaluation with the highest val distinct, among those within "
+                     "soup high; `val loop-free`: the share of them with at least " + f"{DISTINCT_OK}" + "); the round "
+                     "keeps the evaluation with " + ("the most loop-free continuations (then the highest val distinct)"
+                     if pu.get("keep_best_by_loop_free") else "the highest val distinct") + ", among those within "
                      f"{pu['keep_best_slack']} of the start's held-out package loss and with a val NLL of at most "
                      f"{pu.get('keep_best_max_ref_nll', '–')}: step {rn.get('kept_step', rn['steps'])}.")
         held = (f"all {rn['heldout_windows']} windows, {'the quantized image' if qat else 'f32'}")
@@ -2013,7 +2020,10 @@ def render_tune(meta, tr) -> list:
                 ("p(repeat)" if ditto else "rep", "rep"), ("held-out (subset)", "heldout_subset_loss")]
         if any("val_distinct" in c for c in rn["curve"]):
             cols += [("package held-out (subset)", "pkg_subset_loss"), ("val distinct", "val_distinct"),
-                     ("val distinct min", "val_distinct_min"), ("val NLL under the start", "val_ref_nll")]
+                     ("val distinct min", "val_distinct_min")]
+            if any("val_loop_free" in c for c in rn["curve"]):
+                cols.append(("val loop-free", "val_loop_free"))
+            cols.append(("val NLL under the start", "val_ref_nll"))
         rows = [[c.get(k, "–") for _, k in cols] + [f"{c.get('elapsed_s', 0) / 60:.1f}"] for c in rn["curve"]
                 if "heldout_subset_loss" in c or c is rn["curve"][-1]]
         L.append(_md_table([h for h, _ in cols] + ["minutes"], rows))
