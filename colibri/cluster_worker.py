@@ -20,6 +20,8 @@ from . import cluster_wire as wire
 
 #: a worker's gloo timeout: it waits for the coordinator's next call however long the pause
 IDLE_WAIT_S = 30 * 86400.0
+#: how long connecting a pair group may take, whatever the calls' deadline
+SETUP_TIMEOUT_S = 60.0
 
 
 def pair_group(store_host: str, port: int, rank: int, device_host: str, timeout_s: float, prefix: str,
@@ -28,12 +30,17 @@ def pair_group(store_host: str, port: int, rank: int, device_host: str, timeout_
     connects to store_host:port; gloo's sockets bind to device_host only (127.0.0.1 in tests)."""
     import torch.distributed as dist
     td = datetime.timedelta(seconds=timeout_s)
+    # the group's setup (the store rendezvous) may take longer than a call's deadline on a busy
+    # host: it gets SETUP_TIMEOUT_S, and the deadline bounds the calls once the pair is connected
+    setup = datetime.timedelta(seconds=max(timeout_s, SETUP_TIMEOUT_S))
     if store is None:
-        store = dist.TCPStore(store_host, port, 2, False, timeout=td)
+        store = dist.TCPStore(store_host, port, 2, False, timeout=setup)
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=device_host)]
-    opts._timeout = td
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, opts)
+    opts._timeout = setup
+    pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, opts)
+    pg._set_default_timeout(td)
+    return pg
 
 
 class ExpertWorker:
