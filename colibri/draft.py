@@ -205,12 +205,14 @@ class DraftPolicy:
         self._since += 1
         if self._since >= self.probe_gap and self._settle == 0:    # not while the incumbent settles
             cand = self._cur + 1 if (self._up or self._cur == 0) and self._cur < self.max_depth else self._cur - 1
-            if 0 <= cand <= self.max_depth and cand != self._cur and cand > self._cur and self._cannot_pay(cand):
+            if not 0 <= cand <= self.max_depth or cand == self._cur:
+                return self._cur
+            self._since = 0
+            if cand > self._cur and self._cannot_pay(cand):
                 # a probe up that even a cost linear in the rows says loses: not run, taken as lost
-                self._since, self._up = 0, False
+                self._up = False
                 self.probe_gap = min(4 * self.probe_gap, self.max_probe_gap)
-            elif 0 <= cand <= self.max_depth and cand != self._cur:
-                self._since = 0
+            else:
                 # a depth measured before needs fewer iterations to bring its figures up to date
                 # (+ SETTLE_PROBE: its first iterations pay for the incumbent's cache state)
                 n = (self.probe_block if cand not in self.count else max(self.probe_block // 2, 1)) + SETTLE_PROBE
