@@ -1205,15 +1205,11 @@ TUNE = dict(
 
 # The rounds the shipped model went through (`tune --round N`): each tunes the container the round
 # before it converted, with TUNE updated by its entries.
-TUNE_ROUNDS = [
-    {},
-    # quantization-aware, unlikelihood anchored by KL to the round's start (only the repeats move)
-    {"qat": True, "ul_kl": 1.0, "lr": 2e-4, "steps": 240, "ul_share": 0.65, "eval_every": 40, "val_prompts": 24,
-     "keep_best": True, "keep_best_max_ref_nll": 2.5, "keep_best_by_loop_free": True},
-    # the same recipe once more, on round 2's container (its own prefixes: the seed moves with the round)
-    {"qat": True, "ul_kl": 1.0, "lr": 2e-4, "steps": 240, "ul_share": 0.65, "eval_every": 40, "val_prompts": 24,
-     "keep_best": True, "keep_best_max_ref_nll": 2.5, "keep_best_by_loop_free": True},
-]
+# quantization-aware, unlikelihood anchored by KL to the round's start (only the repeats move)
+QAT_UL_ROUND = {"qat": True, "ul_kl": 1.0, "lr": 2e-4, "steps": 240, "ul_share": 0.65, "eval_every": 40,
+                "val_prompts": 24, "keep_best": True, "keep_best_max_ref_nll": 2.5, "keep_best_by_loop_free": True}
+# round 3 is round 2's recipe once more, on round 2's container (its own prefixes: the seed moves with the round)
+TUNE_ROUNDS = [{}, QAT_UL_ROUND, QAT_UL_ROUND]
 
 
 def line_prefixes(tok, stream, max_len):
