@@ -1197,6 +1197,8 @@ TUNE = dict(
     keep_best=False,                    # save the evaluation with the fewest validation loops
     keep_best_slack=0.05,               # ... among those within this of the start's package loss
     keep_best_max_ref_nll=3.0,          # ... whose continuations the start model finds likely enough
+    keep_best_heldout_slack=None,       # ... and within this of the start's held-out stdlib subset loss
+                                        #     (None: no bound; with a bound the start itself is a candidate)
     keep_best_by_loop_free=False,       # best = most prompts >= DISTINCT_OK (then the mean), not the mean
     eval_every=60,
     log_every=10,
@@ -1209,7 +1211,10 @@ TUNE = dict(
 QAT_UL_ROUND = {"qat": True, "ul_kl": 1.0, "lr": 2e-4, "steps": 240, "ul_share": 0.65, "eval_every": 40,
                 "val_prompts": 24, "keep_best": True, "keep_best_max_ref_nll": 2.5, "keep_best_by_loop_free": True}
 # round 3 is round 2's recipe once more, on round 2's container (its own prefixes: the seed moves with the round)
-TUNE_ROUNDS = [{}, QAT_UL_ROUND, QAT_UL_ROUND]
+# rounds 4-: the same, anchored harder (KL weight 2, half the steps on the corpus, lower lr) and kept
+# only where the held-out stdlib subset loss moved by at most 0.006 (the full held-out loss moves ~2x that)
+QAT_UL_ANCHORED = dict(QAT_UL_ROUND, ul_kl=2.0, ul_share=0.5, lr=1.5e-4, keep_best_heldout_slack=0.006)
+TUNE_ROUNDS = [{}, QAT_UL_ROUND, QAT_UL_ROUND, QAT_UL_ANCHORED]
 
 
 def line_prefixes(tok, stream, max_len):
@@ -1537,9 +1542,22 @@ def cmd_tune(args):
 
     ev0 = evaluate()
     h0 = ev0["heldout_subset_loss"]
+
+    def keepable(row) -> bool:
+        """may this evaluation be the one the round keeps (keep_best)?"""
+        hs = tu["keep_best_heldout_slack"]
+        return (row["pkg_subset_loss"] <= ev0["pkg_subset_loss"] + tu["keep_best_slack"]
+                and row["val_ref_nll"] <= tu["keep_best_max_ref_nll"]
+                and (hs is None or row["heldout_subset_loss"] <= h0 + hs))
+
+    def keep_score(row):
+        return (row["val_loop_free"], row["val_distinct"]) if tu["keep_best_by_loop_free"] else row["val_distinct"]
+
     log(f"start ({args.model}, dequantized): " + " ".join(f"{k} {v}" for k, v in ev0.items()))
     curve, first, t_run = [{"step": 0, **ev0}], 0, time.time()
-    best = None                                          # (step, val_distinct, lm state, head state)
+    best = None                                          # (step, keep score, lm state, head state)
+    if tu["keep_best"] and tu["keep_best_heldout_slack"] is not None:
+        best = (0, keep_score(ev0), copy.deepcopy(lm.state_dict()), copy.deepcopy(head.state_dict()))
     state_path = args.out.rstrip("/") + ".state.pt"
     if args.resume and os.path.exists(state_path):
         st = load_state(state_path, lm, head, opt, rng)
@@ -1586,12 +1604,8 @@ def cmd_tune(args):
             recent = {k: [] for k in recent}
             if (step + 1) % tu["eval_every"] == 0 or last:
                 row.update(evaluate())
-                ok = (row["pkg_subset_loss"] <= ev0["pkg_subset_loss"] + tu["keep_best_slack"]
-                      and row["val_ref_nll"] <= tu["keep_best_max_ref_nll"])
-                score = (row["val_loop_free"], row["val_distinct"]) if tu["keep_best_by_loop_free"] \
-                    else row["val_distinct"]
-                if tu["keep_best"] and ok and (best is None or score > best[1]):
-                    best = (step + 1, score, copy.deepcopy(lm.state_dict()),
+                if tu["keep_best"] and keepable(row) and (best is None or keep_score(row) > best[1]):
+                    best = (step + 1, keep_score(row), copy.deepcopy(lm.state_dict()),
                             copy.deepcopy(head.state_dict()))
             curve.append(row)
             log(f"step {step + 1:4d} | " + " ".join(f"{k} {v}" for k, v in row.items() if k != "step")
@@ -2006,6 +2020,7 @@ def render_tune(meta, tr) -> list:
              f"{tr['seq_len']}. `rep` is the share of continuation tokens inside a repeated 4-gram (training "
              f"prefixes, the tuned weights of that moment); held-out loss on the first {tr['eval_windows']} "
              "held-out windows.")
+    qat_first = None                    # the first quantization-aware round (described once)
     for rn in rounds:
         pu = rn["params"]
         L.append(f"\n### Round {rn.get('round', 1)}\n")
@@ -2014,7 +2029,9 @@ def render_tune(meta, tr) -> list:
         L.append(f"From the int4 container of {'the training above' if rn.get('round', 1) == 1 else 'the round before'}: "
                  f"{rn['steps']} steps ({rn['seconds'] / 60:.1f} min, AdamW lr {pu['lr']} cosine to "
                  f"{pu['min_lr_frac']}×, seed {rn['seed']}), a share of {pu['ul_share']} of them "
-                 f"{'DITTO' if ditto else 'unlikelihood'} steps (weight {pu.get('ul_alpha', 1.0)}).")
+                 f"{'DITTO' if ditto else 'unlikelihood'} steps (weight {pu.get('ul_alpha', 1.0)})" +
+                 (f", anchored by KL(round's start ‖ model) on the continuation tokens they leave alone (weight "
+                  f"{pu['ul_kl']})" if pu.get("ul_kl") else "") + ".")
         if ditto:
             lo, hi = pu["ditto_span"]
             L.append(f"\nDITTO steps (Xu et al., 2022, \"Learning to break the loop\") replace the unlikelihood "
@@ -2026,7 +2043,10 @@ def render_tune(meta, tr) -> list:
                      "decoding loop), and no generated text is rewarded. (Unlikelihood on the quantized model's "
                      "own continuations, tried first for this round, broke its loops by emitting rare-token "
                      "soup.) `DITTO` is that loss, `p(repeat)` the mean p_n.")
-        if qat:
+        if qat and qat_first is not None:
+            L.append(f"\nQuantization-aware, as round {qat_first}.")
+        elif qat:
+            qat_first = rn.get("round", 1)
             L.append("\nQuantization-aware (straight-through): every forward, greedy continuation and gradient of "
                      "this round ran on the int4/int8 image of the weights, exactly as the converter quantizes "
                      "them (per-row symmetric, round to nearest even), and the optimizer stepped the f32 masters; so "
@@ -2040,7 +2060,10 @@ def render_tune(meta, tr) -> list:
                      "soup high; `val loop-free`: the share of them with at least " + f"{DISTINCT_OK}" + "); the round "
                      "keeps the evaluation with " + ("the most loop-free continuations (then the highest val distinct)"
                      if pu.get("keep_best_by_loop_free") else "the highest val distinct") + ", among those within "
-                     f"{pu['keep_best_slack']} of the start's held-out package loss and with a val NLL of at most "
+                     f"{pu['keep_best_slack']} of the start's held-out package loss" +
+                     (f", within {pu['keep_best_heldout_slack']} of its held-out stdlib subset loss (the start "
+                      "itself a candidate)" if pu.get("keep_best_heldout_slack") is not None else "") +
+                     f" and with a val NLL of at most "
                      f"{pu.get('keep_best_max_ref_nll', '–')}: step {rn.get('kept_step', rn['steps'])}.")
         held = (f"all {rn['heldout_windows']} windows, {'the quantized image' if qat else 'f32'}")
         loss = rn.get("heldout_loss_quantized", rn["heldout_loss"]) if qat else rn["heldout_loss"]
