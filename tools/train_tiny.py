@@ -1214,7 +1214,7 @@ QAT_UL_ROUND = {"qat": True, "ul_kl": 1.0, "lr": 2e-4, "steps": 240, "ul_share":
 # rounds 4-: the same, anchored harder (KL weight 2, half the steps on the corpus, lower lr) and kept
 # only where the held-out stdlib subset loss moved by at most 0.006 (the full held-out loss moves ~2x that)
 QAT_UL_ANCHORED = dict(QAT_UL_ROUND, ul_kl=2.0, ul_share=0.5, lr=1.5e-4, keep_best_heldout_slack=0.006)
-TUNE_ROUNDS = [{}, QAT_UL_ROUND, QAT_UL_ROUND, QAT_UL_ANCHORED]
+TUNE_ROUNDS = [{}, QAT_UL_ROUND, QAT_UL_ROUND, QAT_UL_ANCHORED, QAT_UL_ANCHORED]
 
 
 def line_prefixes(tok, stream, max_len):
