@@ -21,8 +21,17 @@ def chat(lines, hist, *extra):
 
 
 def answers(p):
-    """The answers printed on stdout (each follows the '> ' input prompt and ends with a newline)."""
-    return [a for a in p.stdout.split("> ") if a.strip()]
+    """The answers printed on stdout: each follows the '> ' input prompt (after the bare prompts of
+    lines that print nothing, as :stats) and ends with a newline before the next prompt; split
+    there, since the model's code may hold '> ' itself (`a > b`)."""
+    assert p.stdout.startswith("> "), p.stdout[:80]
+    out = []
+    for a in p.stdout[2:].split("\n> "):
+        while a.startswith("> "):
+            a = a[2:]
+        if a.strip():
+            out.append(a)
+    return out
 
 
 def prefills(p):
