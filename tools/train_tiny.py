@@ -1612,8 +1612,7 @@ def cmd_tune(args):
                 + f" | lr {lr_at(step, sched):.2e} | {el / 60:.1f} min")
     tune_s = time.time() - t_run
     if best is not None and best[0] != steps:
-        log(f"keeping step {best[0]} (validation distinct 4-grams {best[1]}, the best within "
-            f"{tu['keep_best_slack']} of the start's package loss)")
+        log(f"keeping step {best[0]} (validation score {best[1]}, the best evaluation keepable() allowed)")
         lm.load_state_dict(best[2]); head.load_state_dict(best[3])
     lm.eval(); head.eval()
     rnd = {"round": args.round, "from": os.path.relpath(os.path.abspath(args.model), ROOT), "params": tu,
