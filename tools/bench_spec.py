@@ -107,9 +107,12 @@ def run_costs(path: str, samples: int) -> dict:
     t = {}
 
     def timed(key, fn):
+        a0, m0 = m.t_attn, m.t_moe      # the engine's own timers of the layers' two halves
         s = time.perf_counter()
         fn()
         t.setdefault(key, []).append(time.perf_counter() - s)
+        t.setdefault(key + "_attn", []).append(m.t_attn - a0)
+        t.setdefault(key + "_moe", []).append(m.t_moe - m0)
 
     for _ in range(samples):
         for k in range(1, 6):
@@ -234,13 +237,26 @@ def render(res: dict) -> str:
         b = c["verify1"]
         lines.append("### Iteration costs in one process (embedded model, all experts cached)")
         lines.append("")
-        rows = [[f"verify forward, {k} rows", f"{1e6 * c[f'verify{k}']:.0f}", f"{c[f'verify{k}'] / b:.2f}×"]
-                for k in range(1, 6)]
-        rows += [[f"draft chain, {k} tokens", f"{1e6 * c[f'chain{k}']:.0f}", f"{c[f'chain{k}'] / b:.2f}×"]
-                 for k in range(1, 5)]
-        lines.append(markdown_table(["", "µs", "× 1-row step"], rows))
+        rows = [[f"verify forward, {k} rows", f"{1e6 * c[f'verify{k}']:.0f}", f"{c[f'verify{k}'] / b:.2f}×",
+                 *split_of(c, f"verify{k}", "verify1")] for k in range(1, 6)]
+        rows += [[f"draft chain, {k} tokens", f"{1e6 * c[f'chain{k}']:.0f}", f"{c[f'chain{k}'] / b:.2f}×",
+                  "", "", ""] for k in range(1, 5)]
+        lines.append(markdown_table(["", "µs", "× 1-row step", "attention half µs (× 1 row)",
+                                     "MoE half µs (× 1 row)", "head and rest µs"], rows))
         lines.append("")
     return "\n".join(lines)
+
+
+def split_of(c: dict, key: str, base: str) -> List[str]:
+    """The cells of a verify forward's split by the engine's timers: its attention and MoE halves
+    (µs, and their ratio to the 1-row forward's) and the rest (head, embedding, Python); blank for
+    a saved run from before the split was recorded."""
+    if key + "_attn" not in c:
+        return ["", "", ""]
+    att, moe = c[key + "_attn"], c[key + "_moe"]
+    rest = c[key] - att - moe
+    return [f"{1e6 * att:.0f} ({att / c[base + '_attn']:.2f}×)", f"{1e6 * moe:.0f} ({moe / c[base + '_moe']:.2f}×)",
+            f"{1e6 * rest:.0f}"]
 
 
 def verdict(res: dict) -> List[list]:
