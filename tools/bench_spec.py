@@ -237,9 +237,9 @@ def render(res: dict) -> str:
         b = c["verify1"]
         lines.append("### Iteration costs in one process (embedded model, all experts cached)")
         lines.append("")
-        rows = [[f"verify forward, {k} rows", f"{1e6 * c[f'verify{k}']:.0f}", f"{c[f'verify{k}'] / b:.2f}×",
+        rows = [[f"verify forward, {k} row{'s' if k > 1 else ''}", f"{1e6 * c[f'verify{k}']:.0f}", f"{c[f'verify{k}'] / b:.2f}×",
                  *split_of(c, f"verify{k}", "verify1")] for k in range(1, 6)]
-        rows += [[f"draft chain, {k} tokens", f"{1e6 * c[f'chain{k}']:.0f}", f"{c[f'chain{k}'] / b:.2f}×",
+        rows += [[f"draft chain, {k} token{'s' if k > 1 else ''}", f"{1e6 * c[f'chain{k}']:.0f}", f"{c[f'chain{k}'] / b:.2f}×",
                   "", "", ""] for k in range(1, 5)]
         lines.append(markdown_table(["", "µs", "× 1-row step", "attention half µs (× 1 row)",
                                      "MoE half µs (× 1 row)", "head and rest µs"], rows))
