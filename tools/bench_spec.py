@@ -106,17 +106,18 @@ def run_costs(path: str, samples: int) -> dict:
         m.mtp_draft(tok, kv + 1, 4)
     t = {}
 
-    def timed(key, fn):
+    def timed(key, fn, halves=False):
         a0, m0 = m.t_attn, m.t_moe      # the engine's own timers of the layers' two halves
         s = time.perf_counter()
         fn()
         t.setdefault(key, []).append(time.perf_counter() - s)
-        t.setdefault(key + "_attn", []).append(m.t_attn - a0)
-        t.setdefault(key + "_moe", []).append(m.t_moe - m0)
+        if halves:
+            t.setdefault(key + "_attn", []).append(m.t_attn - a0)
+            t.setdefault(key + "_moe", []).append(m.t_moe - m0)
 
     for _ in range(samples):
         for k in range(1, 6):
-            timed(f"verify{k}", lambda: m.step_all([tok] + more[:k - 1], kv))
+            timed(f"verify{k}", lambda: m.step_all([tok] + more[:k - 1], kv), halves=True)
         m.step([tok], kv)
         for k in range(1, 5):
             timed(f"chain{k}", lambda: m.mtp_draft(tok, kv + 1, k))
@@ -238,7 +239,7 @@ def render(res: dict) -> str:
         lines.append("### Iteration costs in one process (embedded model, all experts cached)")
         lines.append("")
         rows = [[f"verify forward, {k} row{'s' if k > 1 else ''}", f"{1e6 * c[f'verify{k}']:.0f}", f"{c[f'verify{k}'] / b:.2f}×",
-                 *split_of(c, f"verify{k}", "verify1")] for k in range(1, 6)]
+                 *split_of(c, k)] for k in range(1, 6)]
         rows += [[f"draft chain, {k} token{'s' if k > 1 else ''}", f"{1e6 * c[f'chain{k}']:.0f}", f"{c[f'chain{k}'] / b:.2f}×",
                   "", "", ""] for k in range(1, 5)]
         lines.append(markdown_table(["", "µs", "× 1-row step", "attention half µs (× 1 row)",
@@ -247,16 +248,15 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def split_of(c: dict, key: str, base: str) -> List[str]:
-    """The cells of a verify forward's split by the engine's timers: its attention and MoE halves
-    (µs, and their ratio to the 1-row forward's) and the rest (head, embedding, Python); blank for
-    a saved run from before the split was recorded."""
-    if key + "_attn" not in c:
+def split_of(c: dict, k: int) -> List[str]:
+    """The cells of the k-row verify forward's split by the engine's timers: its attention and MoE
+    halves (µs, and their ratio to the 1-row forward's) and the rest (head, embedding, Python);
+    blank for a saved run from before the split was recorded."""
+    if f"verify{k}_attn" not in c:
         return ["", "", ""]
-    att, moe = c[key + "_attn"], c[key + "_moe"]
-    rest = c[key] - att - moe
-    return [f"{1e6 * att:.0f} ({att / c[base + '_attn']:.2f}×)", f"{1e6 * moe:.0f} ({moe / c[base + '_moe']:.2f}×)",
-            f"{1e6 * rest:.0f}"]
+    att, moe = c[f"verify{k}_attn"], c[f"verify{k}_moe"]
+    return [f"{1e6 * att:.0f} ({att / c['verify1_attn']:.2f}×)", f"{1e6 * moe:.0f} ({moe / c['verify1_moe']:.2f}×)",
+            f"{1e6 * (c[f'verify{k}'] - att - moe):.0f}"]
 
 
 def verdict(res: dict) -> List[list]:
